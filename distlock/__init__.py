@@ -1,0 +1,66 @@
+"""distlock: distributed locks stored as database rows, with fencing tokens.
+
+The public names are imported lazily, so ``import distlock`` (e.g. from settings) does not
+import models before Django's app registry is ready.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from distlock.exceptions import (
+    DistlockError,
+    LockLost,
+    LockTimeout,
+    StaleToken,
+    TokenExhausted,
+    TransactionNotAllowed,
+)
+
+if TYPE_CHECKING:
+    from distlock.leases import Lease
+    from distlock.locks import (
+        acquire,
+        break_lock,
+        current_lease,
+        lock,
+        locked,
+        purge_locks,
+    )
+
+__all__ = [
+    "DistlockError",
+    "Lease",
+    "LockLost",
+    "LockTimeout",
+    "StaleToken",
+    "TokenExhausted",
+    "TransactionNotAllowed",
+    "acquire",
+    "break_lock",
+    "current_lease",
+    "lock",
+    "locked",
+    "purge_locks",
+]
+
+_LAZY = {
+    "Lease": "distlock.leases",
+    "acquire": "distlock.locks",
+    "break_lock": "distlock.locks",
+    "current_lease": "distlock.locks",
+    "lock": "distlock.locks",
+    "locked": "distlock.locks",
+    "purge_locks": "distlock.locks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'distlock' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

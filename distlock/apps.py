@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+from django.core import checks
+
+
+class DistlockConfig(AppConfig):
+    name = "distlock"
+    verbose_name = "Distributed locks"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from distlock import checks as distlock_checks
+
+        checks.register(distlock_checks.check_settings)
+        checks.register(distlock_checks.check_database, checks.Tags.database)

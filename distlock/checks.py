@@ -1,0 +1,112 @@
+"""System checks: settings and lock-database configuration that would make locks unsafe."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning
+from django.db import connections
+
+from distlock.conf import conf
+
+SUPPORTED_VENDORS = ("postgresql", "mysql", "sqlite")
+
+
+def _positive(value: Any) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool)
+        and math.isfinite(value) and value > 0
+    )
+
+
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """distlock.E001 (alias) and distlock.E005 (values) for the DISTLOCK_* settings."""
+    errors: list[CheckMessage] = []
+    alias = conf.DATABASE
+    if alias is not None and alias not in settings.DATABASES:
+        errors.append(Error(
+            f"DISTLOCK_DATABASE = {alias!r} is not an alias in DATABASES.",
+            hint="Add that alias to DATABASES or remove DISTLOCK_DATABASE.",
+            id="distlock.E001",
+        ))
+    for name in ("DEFAULT_TTL", "MAX_TTL", "POLL_INTERVAL", "POLL_MAX_INTERVAL"):
+        if not _positive(getattr(conf, name)):
+            errors.append(Error(
+                f"DISTLOCK_{name} must be a positive, finite number of seconds.",
+                id="distlock.E005",
+            ))
+    timeout = conf.DEFAULT_TIMEOUT
+    if timeout is not None and not (_positive(timeout) or timeout == 0):
+        errors.append(Error(
+            "DISTLOCK_DEFAULT_TIMEOUT must be None or a non-negative number of seconds.",
+            id="distlock.E005",
+        ))
+    fraction = conf.RENEW_FRACTION
+    if not (_positive(fraction) and fraction < 1):
+        errors.append(Error(
+            "DISTLOCK_RENEW_FRACTION must be a number between 0 and 1 (exclusive).",
+            id="distlock.E005",
+        ))
+    if (
+        _positive(conf.DEFAULT_TTL) and _positive(conf.MAX_TTL)
+        and conf.DEFAULT_TTL > conf.MAX_TTL
+    ):
+        errors.append(Error(
+            "DISTLOCK_DEFAULT_TTL is larger than DISTLOCK_MAX_TTL.", id="distlock.E005",
+        ))
+    return errors
+
+
+def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Backend checks on the lock table's database (E002–E004, W001, W002)."""
+    alias = conf.DATABASE or "default"
+    if alias not in settings.DATABASES:
+        return []  # reported by E001
+    connection = connections[alias]
+    options = connection.settings_dict.get("OPTIONS", {})
+    messages: list[CheckMessage] = []
+    if connection.vendor not in SUPPORTED_VENDORS:
+        messages.append(Error(
+            f"distlock does not support the {connection.vendor!r} backend (database {alias!r}).",
+            hint="Use PostgreSQL, MariaDB/MySQL or SQLite for the lock table.",
+            id="distlock.E002",
+        ))
+    if connection.vendor == "sqlite":
+        if str(options.get("transaction_mode", "")).upper() != "IMMEDIATE":
+            messages.append(Error(
+                f"SQLite database {alias!r} does not use IMMEDIATE transactions.",
+                hint=(
+                    'Set DATABASES[...]["OPTIONS"]["transaction_mode"] = "IMMEDIATE". '
+                    "A DEFERRED transaction that reads and then writes fails at once with "
+                    "'database is locked' instead of waiting for the lock holder."
+                ),
+                id="distlock.E003",
+            ))
+        timeout = options.get("timeout")
+        if not _positive(timeout):
+            messages.append(Error(
+                f"SQLite database {alias!r} has no busy timeout.",
+                hint='Set DATABASES[...]["OPTIONS"]["timeout"] to seconds to wait, e.g. 20.',
+                id="distlock.E004",
+            ))
+    if connection.settings_dict.get("ATOMIC_REQUESTS"):
+        messages.append(Warning(
+            f"Database {alias!r} holds the lock table and has ATOMIC_REQUESTS = True, so "
+            "every view runs inside a transaction there and distlock will refuse to lock.",
+            hint=(
+                "Give distlock its own connection: DATABASES['distlock'] = "
+                f"{{**DATABASES[{alias!r}], 'ATOMIC_REQUESTS': False}} and "
+                "DISTLOCK_DATABASE = 'distlock'."
+            ),
+            id="distlock.W001",
+        ))
+    if connection.vendor == "mysql" and options.get("charset") != "utf8mb4":
+        messages.append(Warning(
+            f"MySQL/MariaDB database {alias!r} does not connect with charset utf8mb4.",
+            hint='Set DATABASES[...]["OPTIONS"]["charset"] = "utf8mb4" so that any '
+            "Unicode lock name can be stored.",
+            id="distlock.W002",
+        ))
+    return messages

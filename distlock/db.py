@@ -1,0 +1,325 @@
+"""The SQL of every lock operation, each one short transaction on the lock's database.
+
+Each operation first takes the lock row with ``SELECT … FOR UPDATE`` (on SQLite the
+``BEGIN IMMEDIATE`` write lock plays that part), then decides with a conditional UPDATE
+whose time arithmetic reads the database server's real-time clock *after* the row lock is
+held. Never PostgreSQL's ``now()`` or Django's ``Now()``: both are frozen before a lock
+wait, and a lease computed from them can be expired at birth. No row lock outlives the
+operation's transaction, so none is held for the length of a critical section.
+
+Times are integer microseconds since the Unix epoch, by the database clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from distlock.exceptions import TokenExhausted, TransactionNotAllowed
+from distlock.validation import MAX_TOKEN
+
+TABLE = "distlock_lock"
+# Serialization failures and deadlocks abort the whole transaction: safe to run it again.
+RETRIES = 5
+_RETRY_SQLSTATES = {"40001", "40P01"}
+_RETRY_MYSQL_CODES = {1213, 1020}
+
+# The database server's real-time clock, in microseconds since the epoch.
+_NOW_US = {
+    # clock_timestamp() moves during a transaction; now() is frozen at its start.
+    "postgresql": "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)",
+    # SYSDATE() is real time; NOW() is fixed at statement start. UNIX_TIMESTAMP reads its
+    # argument in the session time zone, which is also SYSDATE's, so the pair is exact.
+    "mysql": "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)",
+    # julianday('now') has millisecond precision; rounding back to whole milliseconds is
+    # exact, so the result is a true epoch millisecond times 1000.
+    "sqlite": "(CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) * 1000)",
+}
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A committed grant or renewal, as the database recorded it."""
+
+    token: int
+    acquired_us: int
+    expires_us: int
+    # The holder whose expired lease this grant took over ("" if the lock was free).
+    took_over: str = ""
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Someone else holds the lock; ``remaining_us`` is their lease left by the DB clock."""
+
+    token: int
+    holder: str
+    remaining_us: int
+
+
+def now_sql(connection: BaseDatabaseWrapper) -> str:
+    """SQL for the database's real-time clock in epoch microseconds."""
+    try:
+        return _NOW_US[connection.vendor]
+    except KeyError:
+        raise NotImplementedError(
+            f"distlock does not support the {connection.vendor!r} database backend"
+        ) from None
+
+
+def _for_update(connection: BaseDatabaseWrapper) -> str:
+    # SQLite has no row locks: the IMMEDIATE transaction already holds the write lock.
+    return " FOR UPDATE" if connection.features.has_select_for_update else ""
+
+
+def _has_update_returning(connection: BaseDatabaseWrapper) -> bool:
+    # MariaDB and MySQL have no UPDATE … RETURNING.
+    return connection.vendor in ("postgresql", "sqlite")
+
+
+def _retryable(connection: BaseDatabaseWrapper, exc: DatabaseError) -> bool:
+    if connection.vendor == "postgresql":
+        return getattr(exc.__cause__, "sqlstate", None) in _RETRY_SQLSTATES
+    if connection.vendor == "mysql":
+        return bool(exc.args) and exc.args[0] in _RETRY_MYSQL_CODES
+    return False
+
+
+def refuse_atomic(alias: str) -> None:
+    """Raise TransactionNotAllowed if the caller is inside atomic() on ``alias``.
+
+    On SQLite also inside atomic() on another alias of the same file: SQLite has one
+    writer, so the lock transaction would wait for the caller's own transaction forever
+    (until the busy timeout).
+    """
+    connection = connections[alias]
+    if connection.vendor == "sqlite" and not connection.in_atomic_block:
+        for other in connections.all(initialized_only=True):
+            if (
+                other.alias != alias and other.vendor == "sqlite" and other.in_atomic_block
+                and other.settings_dict["NAME"] == connection.settings_dict["NAME"]
+            ):
+                raise TransactionNotAllowed(
+                    f"distlock was called inside transaction.atomic() on database "
+                    f"{other.alias!r}, which is the same SQLite file as the lock database "
+                    f"{alias!r}. SQLite lets one connection write at a time, so the lock "
+                    "would wait for your transaction to end. Lock outside the atomic block."
+                )
+    if connection.in_atomic_block:
+        raise TransactionNotAllowed(
+            f"distlock was called inside transaction.atomic() on database {alias!r}. "
+            "A lock grant, renewal or release must commit on its own, before your code goes "
+            "on; inside your transaction it would commit or roll back with it (and a "
+            "rollback would hand the same fencing token out twice). Call it outside the "
+            "atomic block, or give distlock its own connection to the same database: "
+            f"DATABASES['distlock'] = {{**DATABASES[{alias!r}]}} and "
+            "DISTLOCK_DATABASE = 'distlock'."
+        )
+
+
+def run(alias: str, operation: Callable[..., T], *args: Any) -> T:
+    """Run ``operation(connection, cursor, *args)`` in its own durable transaction.
+
+    Retries the whole transaction on serialization failures and deadlocks, which the
+    database resolves by aborting it (REPEATABLE READ on PostgreSQL, gap locks on MariaDB).
+    """
+    refuse_atomic(alias)
+    connection = connections[alias]
+    # Outside the request cycle nobody replaces a connection that broke (a database
+    # restart, a killed backend); this drops it so the next statement reconnects.
+    connection.close_if_unusable_or_obsolete()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with transaction.atomic(using=alias, durable=True), connection.cursor() as cursor:
+                return operation(connection, cursor, *args)
+        except DatabaseError as exc:
+            if attempt >= RETRIES or not _retryable(connection, exc):
+                raise
+
+
+def _lock_row(connection: BaseDatabaseWrapper, cursor: Any, name: str) -> Any:
+    cursor.execute(
+        f"SELECT token, owner, holder, expires_us FROM {TABLE} WHERE name = %s"
+        + _for_update(connection),
+        [name],
+    )
+    return cursor.fetchone()
+
+
+def _update_returning(
+    connection: BaseDatabaseWrapper, cursor: Any, sql: str, params: list[Any],
+    columns: str, name: str,
+) -> Any:
+    """Run an UPDATE of row ``name``; return ``columns`` of it, or None if it matched nothing.
+
+    The caller holds the row lock, so the follow-up SELECT (where RETURNING is missing)
+    reads exactly what the UPDATE wrote.
+    """
+    if _has_update_returning(connection):
+        cursor.execute(f"{sql} RETURNING {columns}", params)
+        return cursor.fetchone()
+    cursor.execute(sql, params)
+    if cursor.rowcount == 0:
+        return None
+    cursor.execute(f"SELECT {columns} FROM {TABLE} WHERE name = %s", [name])
+    return cursor.fetchone()
+
+
+def _now(connection: BaseDatabaseWrapper, cursor: Any) -> int:
+    cursor.execute(f"SELECT {now_sql(connection)}", [])
+    return int(cursor.fetchone()[0])
+
+
+def acquire_existing(
+    connection: BaseDatabaseWrapper, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+) -> Grant | Busy | None:
+    """Take over row ``name`` if it is free or expired. None: the row does not exist yet."""
+    row = _lock_row(connection, cursor, name)
+    if row is None:
+        return None
+    token, current_owner, current_holder, expires_us = row
+    if token >= MAX_TOKEN:
+        raise TokenExhausted(f"lock {name!r} has used every fencing token up to {MAX_TOKEN}")
+    now = now_sql(connection)
+    granted = _update_returning(
+        connection, cursor,
+        f"UPDATE {TABLE} SET token = token + 1, owner = %s, holder = %s, "
+        f"acquired_us = {now}, renewed_us = NULL, expires_us = {now} + %s, renew_count = 0 "
+        f"WHERE name = %s AND (owner = '' OR expires_us <= {now})",
+        [owner, holder, ttl_us, name],
+        "token, acquired_us, expires_us", name,
+    )
+    if granted is not None:
+        return Grant(*granted, took_over=current_holder if current_owner else "")
+    return Busy(token, current_holder, max(0, expires_us - _now(connection, cursor)))
+
+
+def acquire_new(
+    connection: BaseDatabaseWrapper, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+) -> Grant | None:
+    """Create row ``name`` already granted. None: another process created it first.
+
+    The first token is one above the largest token in the table. Purge never deletes the
+    row holding that largest token, so a purged and re-created name still starts above
+    every token it was ever given.
+    """
+    cursor.execute(f"SELECT COALESCE(MAX(token), 0) FROM {TABLE}", [])
+    top = int(cursor.fetchone()[0])
+    if top >= MAX_TOKEN:
+        raise TokenExhausted(f"the lock table has used every fencing token up to {MAX_TOKEN}")
+    now = now_sql(connection)
+    columns = "(name, token, owner, holder, acquired_us, renewed_us, expires_us, renew_count)"
+    values = f"VALUES (%s, %s, %s, %s, {now}, NULL, {now} + %s, 0)"
+    if connection.vendor == "mysql":
+        # INSERT IGNORE, not "lock if exists else insert": the locking read of a missing
+        # key takes a gap lock, and two first users of nearby names then deadlock.
+        sql = f"INSERT IGNORE INTO {TABLE} {columns} {values}"
+    else:
+        sql = f"INSERT INTO {TABLE} {columns} {values} ON CONFLICT (name) DO NOTHING"
+    cursor.execute(sql, [name, top + 1, owner, holder, ttl_us])
+    if cursor.rowcount != 1:
+        return None
+    cursor.execute(
+        f"SELECT token, acquired_us, expires_us FROM {TABLE} WHERE name = %s", [name]
+    )
+    return Grant(*cursor.fetchone())
+
+
+def renew(
+    connection: BaseDatabaseWrapper, cursor: Any, name: str, owner: str, token: int, ttl_us: int
+) -> Grant | str:
+    """Extend the lease of (owner, token). A str says why it cannot be renewed."""
+    row = _lock_row(connection, cursor, name)
+    if row is None:
+        return "the lock row no longer exists"
+    if (row[1], row[0]) != (owner, token):
+        return "it was released, broken or taken over"
+    now = now_sql(connection)
+    renewed = _update_returning(
+        connection, cursor,
+        f"UPDATE {TABLE} SET renewed_us = {now}, expires_us = {now} + %s, "
+        f"renew_count = renew_count + 1 "
+        f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {now}",
+        [ttl_us, name, owner, token],
+        "token, renewed_us, expires_us", name,
+    )
+    if renewed is None:
+        return "the lease expired before the renewal reached the database"
+    return Grant(*renewed)
+
+
+def release(
+    connection: BaseDatabaseWrapper, cursor: Any, name: str, owner: str, token: int
+) -> tuple[bool, int | None]:
+    """Free the lock if (owner, token) is the current grant.
+
+    Returns (was it still held, the release time by the DB clock). An expired lease that
+    nobody took over is cleared as well, but reported as not held.
+    """
+    row = _lock_row(connection, cursor, name)
+    if row is None or (row[1], row[0]) != (owner, token):
+        return False, None
+    expires_us = row[3]
+    released = _update_returning(
+        connection, cursor,
+        f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {now_sql(connection)} "
+        "WHERE name = %s AND owner = %s AND token = %s",
+        [name, owner, token],
+        "expires_us", name,
+    )
+    released_us = int(released[0])
+    return expires_us > released_us, released_us
+
+
+def break_lock(
+    connection: BaseDatabaseWrapper, cursor: Any, name: str,
+    owner: str | None, token: int | None,
+) -> tuple[str, int, str] | None:
+    """Free a held lock whoever holds it. Returns the broken (owner, token, holder).
+
+    When ``owner`` or ``token`` is given, only that grant is broken: a lock that changed
+    hands since someone looked at it is left alone (None).
+    """
+    row = _lock_row(connection, cursor, name)
+    if row is None or not row[1]:
+        return None
+    current_token, current_owner, holder, _ = row
+    if owner is not None and owner != current_owner:
+        return None
+    if token is not None and token != current_token:
+        return None
+    cursor.execute(
+        f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {now_sql(connection)} "
+        "WHERE name = %s AND token = %s",
+        [name, current_token],
+    )
+    return current_owner, current_token, holder
+
+
+def purge(connection: BaseDatabaseWrapper, cursor: Any, idle_us: int) -> int:
+    """Delete rows free or expired for at least ``idle_us``; return how many.
+
+    Keeps the row with the largest token: new rows start above it (see acquire_new).
+    """
+    cursor.execute(f"SELECT COALESCE(MAX(token), 0) FROM {TABLE}", [])
+    top = int(cursor.fetchone()[0])
+    cursor.execute(
+        f"DELETE FROM {TABLE} WHERE token < %s AND expires_us <= {now_sql(connection)} - %s",
+        [top, idle_us],
+    )
+    return int(cursor.rowcount)
+
+
+def db_now_us(alias: str) -> int:
+    """The database server's clock, in epoch microseconds (a plain query, no transaction)."""
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        return _now(connection, cursor)

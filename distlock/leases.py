@@ -1,0 +1,166 @@
+"""The Lease: what a holder gets for one grant of a lock."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from django.db import connections
+
+from distlock import db, signals
+from distlock.conf import conf
+from distlock.exceptions import LockLost
+from distlock.models import from_us
+from distlock.validation import check_name, check_owner, check_token, check_ttl, check_using
+
+logger = logging.getLogger("distlock")
+
+LostCallback = Callable[["Lease", BaseException | str], Any]
+
+
+class Lease:
+    """One grant of a lock: its fencing token, owner id and expiry.
+
+    ``token`` is strictly greater than every token granted earlier for ``name``; pass the
+    lease to fenced writes so the database can refuse them once the lease is stale.
+    ``expires_at`` is the database's view; :meth:`remaining` is the holder's own, started
+    before the acquire request left, so it never ends later than the database's.
+    """
+
+    def __init__(
+        self, name: str, owner: str, token: int, *, using: str, ttl: float,
+        expires_at: datetime | None = None, acquired_at: datetime | None = None,
+        holder: str = "", deadline: float | None = None,
+    ) -> None:
+        self.name = check_name(name)
+        self.owner = check_owner(owner)
+        self.token = check_token(token)
+        self.using = check_using(using)
+        self.ttl = check_ttl(ttl)
+        self.expires_at = expires_at
+        self.acquired_at = acquired_at
+        self.released_at: datetime | None = None
+        self.holder = holder
+        # A lease built by hand (not by acquire) makes no claim to time left.
+        self._deadline = time.monotonic() if deadline is None else deadline
+        self._mutex = threading.Lock()
+        self._lost_reason: str | None = None
+        self._released = False
+        self._renewer: _Renewer | None = None
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.name!r} token={self.token} owner={self.owner[:8]}…>"
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known to be gone (a failed renewal or a refused write)."""
+        return self._lost_reason is not None
+
+    def remaining(self) -> float:
+        """Seconds left by the holder's local monotonic clock (conservative; 0 when over)."""
+        if self._lost_reason is not None or self._released:
+            return 0.0
+        return max(0.0, self._deadline - time.monotonic())
+
+    def check(self) -> None:
+        """Raise LockLost unless the lease is still held by the local clock."""
+        if self._lost_reason is not None:
+            raise LockLost(self.name, self.token, self._lost_reason)
+        if self._released:
+            raise LockLost(self.name, self.token, "it was released")
+        if self.remaining() <= 0:
+            raise LockLost(self.name, self.token, "its ttl ran out")
+
+    def renew(self, ttl: float | None = None) -> None:
+        """Extend the lease to ``ttl`` seconds from now (default: the ttl it was granted).
+
+        The token stays the same. Raises LockLost if the lease expired, was released or
+        broken, or another owner holds the lock; the lease is then marked lost.
+        """
+        seconds = self.ttl if ttl is None else check_ttl(ttl)
+        with self._mutex:
+            if self._released:
+                raise LockLost(self.name, self.token, "it was released")
+            if self._lost_reason is not None:
+                raise LockLost(self.name, self.token, self._lost_reason)
+            started = time.monotonic()
+            result = db.run(
+                self.using, db.renew, self.name, self.owner, self.token, round(seconds * 1e6)
+            )
+            if isinstance(result, str):
+                self._lose(result)
+                raise LockLost(self.name, self.token, result)
+            self._deadline = started + seconds
+            self.ttl = seconds
+            self.expires_at = from_us(result.expires_us)
+
+    def release(self) -> bool:
+        """Free the lock. True if this lease still held it; never frees another's grant.
+
+        Releasing twice, or after the lease expired or was taken over, is a no-op that
+        returns False.
+        """
+        self._stop_renewer()
+        with self._mutex:
+            if self._released:
+                return False
+            self._released = True
+            held, released_us = db.run(self.using, db.release, self.name, self.owner, self.token)
+        self.released_at = from_us(released_us)
+        signals.lock_released.send(sender=Lease, lease=self, held=held)
+        return held
+
+    def start_auto_renew(self, on_lost: LostCallback | None = None) -> None:
+        """Renew in a helper thread every ``DISTLOCK_RENEW_FRACTION`` of the ttl.
+
+        The thread has its own database connection. On any failure the lease is marked
+        lost, ``on_lost(lease, exc)`` is called and the thread stops; it also stops on
+        release.
+        """
+        if self._renewer is not None:
+            raise RuntimeError("auto-renew is already running for this lease")
+        self._renewer = _Renewer(self, on_lost)
+        self._renewer.start()
+
+    def _stop_renewer(self) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.stop()
+
+    def _lose(self, reason: str) -> None:
+        if self._lost_reason is None:
+            self._lost_reason = reason
+            logger.warning("lost lock %r (token %s): %s", self.name, self.token, reason)
+            signals.lock_lost.send(sender=Lease, lease=self, reason=reason)
+
+
+class _Renewer(threading.Thread):
+    def __init__(self, lease: Lease, on_lost: LostCallback | None) -> None:
+        super().__init__(name=f"distlock-renew-{lease.name[:40]}", daemon=True)
+        self.lease = lease
+        self.on_lost = on_lost
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self is not threading.current_thread():
+            self.join()
+
+    def run(self) -> None:
+        try:
+            while not self.stopped.wait(self.lease.ttl * float(conf.RENEW_FRACTION)):
+                try:
+                    self.lease.renew()
+                except BaseException as exc:  # noqa: BLE001 - any failure means lost
+                    if self.stopped.is_set():
+                        return
+                    self.lease._lose(str(exc))
+                    if self.on_lost is not None:
+                        self.on_lost(self.lease, exc)
+                    return
+        finally:
+            connections.close_all()

@@ -1,0 +1,306 @@
+"""acquire(), lock() and locked(): getting a lease, once or with waiting."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import os
+import random
+import socket
+import string
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import ContextDecorator
+from datetime import timedelta
+from types import TracebackType
+from typing import ParamSpec, TypeVar
+
+from distlock import db, signals
+from distlock.conf import conf
+from distlock.exceptions import LockTimeout
+from distlock.leases import Lease, LostCallback, logger
+from distlock.models import from_us
+from distlock.validation import (
+    MAX_NAME_LENGTH,
+    Seconds,
+    check_name,
+    check_owner,
+    check_seconds,
+    check_timeout,
+    check_token,
+    check_ttl,
+    check_using,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_current: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
+    "distlock_leases", default=()
+)
+_DEFAULT = object()
+
+
+def current_lease() -> Lease | None:
+    """The lease of the innermost ``lock()`` block (or locked task) running here, if any."""
+    leases = _current.get()
+    return leases[-1] if leases else None
+
+
+def describe_holder(extra: str = "") -> str:
+    """Who is asking, for people reading the lock table: host, pid, thread (and ``extra``)."""
+    thread = threading.current_thread().name
+    parts = [socket.gethostname(), f"pid={os.getpid()}", f"thread={thread}"]
+    if extra:
+        parts.append(extra)
+    return " ".join(parts)[:MAX_NAME_LENGTH]
+
+
+def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> db.Grant | db.Busy:
+    while True:
+        result = db.run(alias, db.acquire_existing, name, owner, holder, ttl_us)
+        if result is not None:
+            return result
+        created = db.run(alias, db.acquire_new, name, owner, holder, ttl_us)
+        if created is not None:
+            return created
+        # Another process created the row between our two transactions: go round again,
+        # this time the row exists.
+
+
+def _pause(attempt: int, busy: db.Busy, left: float | None) -> float:
+    """Jittered exponential back-off, never past the deadline or the holder's expiry."""
+    base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
+    pause = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
+    # Wake just after the holder's lease ends: it is free then even if never released.
+    pause = min(pause, busy.remaining_us / 1e6 + 0.001)
+    if left is not None:
+        pause = min(pause, left)
+    return max(pause, 0.0)
+
+
+def acquire(
+    name: str,
+    *,
+    ttl: Seconds | None = None,
+    blocking: bool = True,
+    timeout: Seconds | None = _DEFAULT,  # type: ignore[assignment]
+    using: str | None = None,
+    holder: str = "",
+    auto_renew: bool = False,
+    on_lost: LostCallback | None = None,
+) -> Lease | None:
+    """Acquire lock ``name`` and return its Lease, or None if it could not be had.
+
+    Like ``threading.Lock.acquire``: with ``blocking=False`` one try is made; otherwise
+    distlock retries with jittered exponential back-off until ``timeout`` seconds have
+    passed (default ``DISTLOCK_DEFAULT_TIMEOUT``; None waits for as long as it takes).
+    The grant is committed before this returns. ``ttl`` (seconds or timedelta) is the
+    lease length, counted by the database clock. ``auto_renew`` renews in a helper
+    thread; ``on_lost(lease, exc)`` is called there if a renewal fails.
+
+    Raises TypeError/ValueError for bad arguments (nothing is written),
+    TransactionNotAllowed inside ``atomic()`` on the lock's database, TokenExhausted when
+    the 64-bit token would overflow, and database errors as Django raises them.
+    """
+    name = check_name(name)
+    seconds = check_ttl(ttl)
+    wait = check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
+    if not isinstance(holder, str):
+        raise TypeError(f"holder must be a str, not {type(holder).__name__}")
+    alias = check_using(using)
+    db.refuse_atomic(alias)
+    owner = uuid.uuid4().hex
+    description = describe_holder(holder)
+    ttl_us = round(seconds * 1e6)
+    give_up = None if wait is None else time.monotonic() + wait
+    attempt = 0
+    while True:
+        # The holder's clock starts before the request leaves, so its deadline is never
+        # later than the one the database computes.
+        started = time.monotonic()
+        result = _try_once(alias, name, owner, description, ttl_us)
+        if isinstance(result, db.Grant):
+            break
+        left = None if give_up is None else give_up - time.monotonic()
+        if not blocking or (left is not None and left <= 0):
+            return None
+        time.sleep(_pause(attempt, result, left))
+        attempt += 1
+    lease = Lease(
+        name, owner, result.token, using=alias, ttl=seconds,
+        expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
+        holder=description, deadline=started + seconds,
+    )
+    signals.lock_acquired.send(sender=Lease, lease=lease, took_over=result.took_over)
+    if auto_renew:
+        lease.start_auto_renew(on_lost)
+    return lease
+
+
+class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextlib's do
+    """Hold lock ``name`` for a ``with`` block (or a decorated function's call).
+
+    ``with lock("invoice:42", ttl=30, timeout=10) as lease:`` waits up to ``timeout``
+    seconds and raises LockTimeout if the lock cannot be had (``timeout=0`` tries once).
+    The lock is released when the block ends, also on an exception. If the lease was
+    lost on the way (expired, broken), leaving the block logs a warning and sends
+    ``lock_lost``; it does not raise, because the block's work is done by then — guard
+    writes with fencing (``save(fence=lease)``) to make a stale holder's writes fail.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        ttl: Seconds | None = None,
+        timeout: Seconds | None = _DEFAULT,  # type: ignore[assignment]
+        using: str | None = None,
+        holder: str = "",
+        auto_renew: bool = False,
+        on_lost: LostCallback | None = None,
+    ) -> None:
+        # Check everything now, so a bad decorator fails at import, not at first call.
+        check_name(name)
+        check_ttl(ttl)
+        check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+        if using is not None:
+            check_using(using)
+        self._options = {
+            "name": name, "ttl": ttl, "timeout": timeout, "using": using,
+            "holder": holder, "auto_renew": auto_renew, "on_lost": on_lost,
+        }
+        self.lease: Lease | None = None
+        self._token: contextvars.Token[tuple[Lease, ...]] | None = None
+
+    def _recreate_cm(self) -> lock:
+        # A decorated function may run in several threads at once: one lock object each.
+        return type(self)(**self._options)
+
+    def __enter__(self) -> Lease:
+        options = dict(self._options)
+        timeout = options.pop("timeout")
+        lease = acquire(options.pop("name"), timeout=timeout, **options)
+        if lease is None:
+            wait = check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+            raise LockTimeout(self._options["name"], wait)
+        self.lease = lease
+        self._token = _current.set((*_current.get(), lease))
+        return lease
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lease, self.lease = self.lease, None
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+        if lease is None:
+            return
+        if not lease.release() and not lease.lost:
+            logger.warning(
+                "lock %r (token %s) was no longer held when its block ended",
+                lease.name, lease.token,
+            )
+            lease._lose("it expired or was taken over before the block ended")
+
+
+def locked(
+    name: str,
+    *,
+    ttl: Seconds | None = None,
+    timeout: Seconds | None = _DEFAULT,  # type: ignore[assignment]
+    using: str | None = None,
+    auto_renew: bool = False,
+    on_lost: LostCallback | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a function so each call runs under a lock named from its arguments.
+
+    ``name`` is a ``str.format`` template over the function's parameters, e.g.
+    ``@locked("report:{customer_id}", ttl=60)``. Inside, ``current_lease()`` returns the
+    lease. A template field that is not a parameter raises ValueError at decoration.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"lock name template must be a str, not {type(name).__name__}")
+    fields = {
+        field.split(".")[0].split("[")[0]
+        for _, field, _, _ in string.Formatter().parse(name)
+        if field is not None
+    }
+    if "" in fields:
+        raise ValueError("lock name template fields must be named, e.g. {customer_id}")
+    check_ttl(ttl)
+    check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+
+    def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        signature = inspect.signature(func)
+        missing = fields - set(signature.parameters)
+        if missing:
+            raise ValueError(
+                f"lock name {name!r} uses {sorted(missing)}, which "
+                f"{func.__qualname__}() has no parameters for"
+            )
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            lock_name = name.format(**bound.arguments)
+            with lock(
+                lock_name, ttl=ttl, timeout=timeout, using=using,
+                auto_renew=auto_renew, on_lost=on_lost,
+            ):
+                return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def break_lock(
+    name: str,
+    *,
+    owner: str | None = None,
+    token: int | None = None,
+    using: str | None = None,
+    by: str = "",
+) -> bool:
+    """Free lock ``name`` whoever holds it; True if a held lock was broken.
+
+    Give the ``owner`` and/or ``token`` you saw to break only that grant: if the lock has
+    changed hands since, nothing happens (False). The broken holder's renew, release
+    and fenced writes then fail, and the next grant gets a higher token.
+    """
+    name = check_name(name)
+    if owner is not None:
+        check_owner(owner)
+    if token is not None:
+        check_token(token)
+    alias = check_using(using)
+    broken = db.run(alias, db.break_lock, name, owner, token)
+    if broken is None:
+        return False
+    signals.lock_broken.send(
+        sender=None, name=name, owner=broken[0], token=broken[1], holder=broken[2],
+        using=alias, by=by,
+    )
+    return True
+
+
+def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) -> int:
+    """Delete lock rows free or expired for at least ``idle``; return how many.
+
+    Fencing tokens stay safe: the row with the largest token is kept and new rows start
+    above it, so a purged name that comes back gets a higher token than it ever had.
+    """
+    seconds = check_seconds(idle, "idle")
+    if seconds < 0:
+        raise ValueError(f"idle must not be negative, not {seconds}")
+    alias = check_using(using)
+    return db.run(alias, db.purge, round(seconds * 1e6))

@@ -1,0 +1,109 @@
+"""Argument checks shared by every public entry point.
+
+They run before any SQL, so bad input raises a clear error and changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from decimal import Decimal
+
+from django.conf import settings
+
+from distlock.conf import conf
+
+MAX_NAME_LENGTH = 255
+MAX_TOKEN = 2**63 - 1
+MIN_TTL = 0.001
+Seconds = float | int | Decimal | timedelta
+
+
+def check_name(name: object) -> str:
+    """Return ``name`` if it can be a lock name; raise TypeError/ValueError otherwise.
+
+    Names are compared exactly on every backend, so no normalisation happens here: two
+    Unicode spellings of one word are two locks, as they are two keys in a dict.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"lock name must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError("lock name must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"lock name is {len(name)} characters long; at most {MAX_NAME_LENGTH} are allowed"
+        )
+    if "\x00" in name:
+        raise ValueError("lock name must not contain NUL characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("lock name must be valid Unicode (no lone surrogates)") from None
+    return name
+
+
+def check_seconds(value: object, what: str) -> float:
+    """Return ``value`` (a number of seconds or a timedelta) as finite float seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal | timedelta):
+        raise TypeError(
+            f"{what} must be a number of seconds or a timedelta, not {type(value).__name__}"
+        )
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if math.isnan(seconds) or math.isinf(seconds):
+        raise ValueError(f"{what} must be finite, not {seconds}")
+    return seconds
+
+
+def check_ttl(ttl: object) -> float:
+    """Return the lease length in seconds (the default when ``ttl`` is None)."""
+    if ttl is None:
+        ttl = conf.DEFAULT_TTL
+    seconds = check_seconds(ttl, "ttl")
+    if seconds < MIN_TTL:
+        raise ValueError(f"ttl must be at least {MIN_TTL} s, not {seconds}")
+    max_ttl = float(conf.MAX_TTL)
+    if seconds > max_ttl:
+        raise ValueError(
+            f"ttl of {seconds} s is longer than DISTLOCK_MAX_TTL ({max_ttl} s); "
+            "use a shorter ttl with auto_renew=True for long work"
+        )
+    return seconds
+
+
+def check_timeout(timeout: object) -> float | None:
+    """Return the wait limit in seconds, or None for no limit."""
+    if timeout is None:
+        return None
+    seconds = check_seconds(timeout, "timeout")
+    if seconds < 0:
+        raise ValueError(f"timeout must not be negative, not {seconds}")
+    return seconds
+
+
+def check_using(using: object) -> str:
+    """Return the database alias for the lock table."""
+    if using is None:
+        return conf.database()
+    if not isinstance(using, str):
+        raise TypeError(f"using must be a database alias (str), not {type(using).__name__}")
+    if using not in settings.DATABASES:
+        raise ValueError(f"using={using!r} is not a database alias in settings.DATABASES")
+    return using
+
+
+def check_token(token: object) -> int:
+    """Return ``token`` if it can be a fencing token."""
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"token must be an int, not {type(token).__name__}")
+    if not 1 <= token <= MAX_TOKEN:
+        raise ValueError(f"token must be between 1 and {MAX_TOKEN}, not {token}")
+    return token
+
+
+def check_owner(owner: object) -> str:
+    """Return ``owner`` if it has the shape distlock gives owners (32 hex digits)."""
+    if not isinstance(owner, str):
+        raise TypeError(f"owner must be a str, not {type(owner).__name__}")
+    if len(owner) != 32 or any(c not in "0123456789abcdef" for c in owner):
+        raise ValueError("owner must be the 32 lowercase hex digits distlock generated")
+    return owner

@@ -1,0 +1,125 @@
+"""Real OS processes for contention tests.
+
+Each child is ``python -m tests.worker ROLE ARGS_JSON`` with its own interpreter, Django
+and database connection, talking to the same test database as the test. It prints one JSON
+object per line (its events) and reads commands one per line on stdin. Tests wait on the
+events they expect, each with a deadline; nothing sleeps to make a test pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Child:
+    def __init__(self, role: str, *args: Any, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None) -> None:
+        child_env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "DISTLOCK_TEST_CHILD_DB": str(connection.settings_dict["NAME"]),
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        }
+        self.role = role
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, "-m", "tests.worker", role, json.dumps(args)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=child_env, cwd=ROOT, start_new_session=True,
+        )
+        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+        self.events.put(None)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def expect(self, event: str, timeout: float = 30.0) -> dict[str, Any]:
+        """The next event of this kind; fails on a different event, exit or deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{self.role}: no {event!r} event within {timeout} s")
+            try:
+                got = self.events.get(timeout=left)
+            except queue.Empty:
+                continue
+            if got is None:
+                self.proc.wait(timeout=10)
+                raise AssertionError(
+                    f"{self.role} exited ({self.proc.returncode}) before {event!r}:\n"
+                    + "".join(self.stderr[-30:])
+                )
+            if got.get("event") == "error":
+                raise AssertionError(f"{self.role} failed: {got}\n" + "".join(self.stderr[-30:]))
+            if got.get("event") == event:
+                return got
+            raise AssertionError(f"{self.role}: expected {event!r}, got {got}")
+
+    def send(self, command: str, **data: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"command": command, **data}) + "\n")
+        self.proc.stdin.flush()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def finish(self, timeout: float = 60.0) -> int:
+        """Wait for a normal exit (closing stdin first); kill on the deadline."""
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.role} did not exit within {timeout} s") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+class Children:
+    """A group of children that are always killed at the end of a test."""
+
+    def __init__(self) -> None:
+        self.all: list[Child] = []
+
+    def start(self, role: str, *args: Any, **kwargs: Any) -> Child:
+        child = Child(role, *args, **kwargs)
+        self.all.append(child)
+        return child
+
+    def close(self) -> None:
+        for child in self.all:
+            child.kill()

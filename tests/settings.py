@@ -1,0 +1,105 @@
+"""Test settings. DISTLOCK_TEST_BACKEND picks the database: sqlite (default),
+postgresql or mariadb. Server addresses come from DISTLOCK_TEST_POSTGRES and
+DISTLOCK_TEST_MARIADB (URLs), with the local defaults below.
+
+Child processes spawned by tests (tests/processes.py) get DISTLOCK_TEST_CHILD_DB, the name
+of the test database the parent created, and use it as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+BACKEND = os.environ.get("DISTLOCK_TEST_BACKEND", "sqlite")
+# Lets several test runs share one server without sharing a test database.
+SUFFIX = os.environ.get("DISTLOCK_TEST_DB_SUFFIX", "")
+CHILD_DB = os.environ.get("DISTLOCK_TEST_CHILD_DB")
+
+
+def from_url(url: str, engine: str) -> dict[str, object]:
+    parts = urlsplit(url)
+    return {
+        "ENGINE": engine,
+        "NAME": parts.path.lstrip("/") or "test",
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "",
+        "PORT": str(parts.port or ""),
+    }
+
+
+if BACKEND == "sqlite":
+    data = BASE_DIR / ".test-data"
+    data.mkdir(exist_ok=True)
+    default: dict[str, object] = {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": str(data / f"main{SUFFIX}.sqlite3"),
+        "OPTIONS": {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 30,
+            "init_command": "PRAGMA journal_mode=WAL;",
+        },
+        "TEST": {"NAME": str(data / f"test{SUFFIX}.sqlite3")},
+    }
+elif BACKEND == "postgresql":
+    default = from_url(
+        os.environ.get("DISTLOCK_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test"),
+        "django.db.backends.postgresql",
+    )
+    default["TEST"] = {"NAME": f"test_distlock{SUFFIX}"}
+elif BACKEND == "mariadb":
+    default = from_url(
+        os.environ.get("DISTLOCK_TEST_MARIADB", "mysql://root@127.0.0.1:3306/test"),
+        "django.db.backends.mysql",
+    )
+    default["OPTIONS"] = {"charset": "utf8mb4"}
+    default["TEST"] = {"NAME": f"test_distlock{SUFFIX}", "CHARSET": "utf8mb4"}
+else:
+    raise RuntimeError(f"DISTLOCK_TEST_BACKEND={BACKEND!r}: use sqlite, postgresql or mariadb")
+
+if CHILD_DB:
+    default["NAME"] = CHILD_DB
+
+DATABASES = {
+    "default": default,
+    # The same database through a second connection, for distlock inside atomic().
+    "locks": {**default, "TEST": {**default.get("TEST", {}), "MIRROR": "default"}},
+}
+
+SECRET_KEY = "distlock-tests"
+USE_TZ = True
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.admin",
+    "distlock",
+    "tests.testapp",
+]
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "tests.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

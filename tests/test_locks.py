@@ -1,0 +1,231 @@
+"""acquire(), lock(), locked() and Lease on the configured backend."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import connections, transaction
+
+import distlock
+from distlock import (
+    LockLost,
+    LockTimeout,
+    TransactionNotAllowed,
+    acquire,
+    break_lock,
+    current_lease,
+    lock,
+    locked,
+    purge_locks,
+)
+from distlock.db import db_now_us
+from distlock.models import Lock
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+
+def test_acquire_gives_a_committed_lease():
+    lease = acquire("invoice:1", ttl=30)
+    assert lease is not None
+    assert lease.name == "invoice:1" and lease.token >= 1 and len(lease.owner) == 32
+    row = Lock.objects.get(name="invoice:1")
+    assert (row.owner, row.token) == (lease.owner, lease.token)
+    assert row.expires_at == lease.expires_at
+    assert 29 < lease.remaining() <= 30
+    assert lease.release() is True
+    row.refresh_from_db()
+    assert row.owner == "" and row.is_free
+
+
+def test_second_acquire_is_refused_while_held():
+    first = acquire("a", ttl=30)
+    assert acquire("a", ttl=30, blocking=False) is None
+    assert acquire("a", ttl=30, timeout=0.05) is None
+    with pytest.raises(LockTimeout) as caught, lock("a", timeout=0):
+        pass
+    assert isinstance(caught.value, TimeoutError)
+    first.release()
+    second = acquire("a", ttl=30, blocking=False)
+    assert second is not None and second.token == first.token + 1
+
+
+def test_tokens_increase_by_one_per_grant_of_a_name():
+    tokens = []
+    for _ in range(5):
+        with lock("counter", ttl=5) as lease:
+            tokens.append(lease.token)
+    assert tokens == list(range(tokens[0], tokens[0] + 5))
+
+
+def test_names_compare_exactly():
+    names = ["lock", "LOCK", "lock ", "lóck", "lo\u0301ck"]
+    leases = [acquire(name, ttl=30, blocking=False) for name in names]
+    assert all(lease is not None for lease in leases)
+    assert sorted(Lock.objects.values_list("name", flat=True)) == sorted(names)
+
+
+def test_renew_extends_and_keeps_the_token():
+    lease = acquire("r", ttl=1)
+    before = lease.expires_at
+    lease.renew(ttl=30)
+    assert lease.expires_at > before and 29 < lease.remaining() <= 30
+    row = Lock.objects.get(name="r")
+    assert row.token == lease.token and row.renew_count == 1
+    assert row.expires_at == lease.expires_at
+
+
+def test_expired_lock_is_taken_over_with_a_higher_token():
+    old = acquire("x", ttl=0.2)
+    deadline = old.expires_at
+    new = acquire("x", ttl=30, timeout=5)
+    assert new is not None and new.token == old.token + 1
+    assert new.acquired_at >= deadline
+    assert old.release() is False
+    with pytest.raises(LockLost):
+        old.renew()
+    row = Lock.objects.get(name="x")
+    assert (row.owner, row.token) == (new.owner, new.token)
+
+
+def test_blocking_acquire_gets_the_lock_when_released():
+    holder = acquire("b", ttl=30)
+    got = []
+    waiter = threading.Thread(
+        target=lambda: (got.append(acquire("b", ttl=30, timeout=10)), connections.close_all())
+    )
+    waiter.start()
+    # The waiter must be polling before the release for this to test waiting at all.
+    holder.release()
+    waiter.join(15)
+    assert got and got[0] is not None and got[0].token == holder.token + 1
+
+
+def test_lock_context_sets_current_lease_and_releases_on_error():
+    assert current_lease() is None
+    with pytest.raises(RuntimeError), lock("ctx", ttl=30) as lease:
+        assert current_lease() is lease
+        raise RuntimeError("boom")
+    assert current_lease() is None
+    assert Lock.objects.get(name="ctx").is_free
+
+
+def test_lock_as_decorator_and_locked_template():
+    seen = []
+
+    @lock("deco", ttl=30)
+    def plain():
+        seen.append(current_lease().name)
+
+    @locked("report:{customer_id}:{kind}", ttl=30)
+    def report(customer_id, kind="daily"):
+        seen.append(current_lease().name)
+        return customer_id
+
+    plain()
+    assert report(7) == 7
+    assert seen == ["deco", "report:7:daily"]
+    assert Lock.objects.get(name="report:7:daily").is_free
+
+
+def test_locked_rejects_a_template_field_that_is_not_a_parameter():
+    with pytest.raises(ValueError, match="customer"):
+
+        @locked("report:{customer}")
+        def report(customer_id):
+            pass
+
+
+def test_auto_renew_keeps_the_lease_and_stops_on_release():
+    lease = acquire("auto", ttl=0.3, auto_renew=True)
+    first_expiry = lease.expires_at
+    renewals = 0
+    deadline = db_now_us("default") + 2_000_000
+    while renewals < 2 and db_now_us("default") < deadline:
+        renewals = Lock.objects.get(name="auto").renew_count
+    assert renewals >= 2
+    assert lease.expires_at > first_expiry and not lease.lost
+    assert lease.release() is True
+    count = Lock.objects.get(name="auto").renew_count
+    assert lease._renewer is None
+    assert Lock.objects.get(name="auto").renew_count == count
+
+
+def test_auto_renew_failure_marks_lost_and_calls_back():
+    lost = threading.Event()
+    lease = acquire("auto2", ttl=0.3, auto_renew=True, on_lost=lambda lease, exc: lost.set())
+    assert break_lock("auto2")
+    assert lost.wait(5)
+    assert lease.lost
+    with pytest.raises(LockLost):
+        lease.check()
+    with pytest.raises(LockLost):
+        lease.renew()
+    assert lease.release() is False
+
+
+def test_break_lock_checks_owner_and_token():
+    lease = acquire("brk", ttl=30)
+    assert break_lock("brk", token=lease.token + 1) is False
+    assert break_lock("brk", owner="0" * 32) is False
+    assert Lock.objects.get(name="brk").owner == lease.owner
+    assert break_lock("brk", owner=lease.owner, token=lease.token) is True
+    assert break_lock("brk") is False
+    assert lease.release() is False
+    again = acquire("brk", ttl=30)
+    assert again.token == lease.token + 1
+
+
+def test_inside_atomic_on_the_lock_database_is_refused_and_writes_nothing():
+    with transaction.atomic(), pytest.raises(TransactionNotAllowed, match="DISTLOCK_DATABASE"):
+        acquire("in-atomic", ttl=30)
+    assert not Lock.objects.filter(name="in-atomic").exists()
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "locks"])
+def test_separate_alias_outer_rollback_never_repeats_a_token(settings):
+    settings.DISTLOCK_DATABASE = "locks"
+    if connections["locks"].vendor == "sqlite":
+        # One writer per SQLite file: a second connection cannot lock inside atomic().
+        with transaction.atomic(), pytest.raises(TransactionNotAllowed, match="SQLite"):
+            acquire("rollback", ttl=30)
+        assert not Lock.objects.filter(name="rollback").exists()
+        return
+    tokens = []
+    for _ in range(2):
+        with pytest.raises(ZeroDivisionError), transaction.atomic():
+            lease = acquire("rollback", ttl=30)
+            tokens.append(lease.token)
+            assert lease.release() is True
+            1 / 0  # noqa: B018 - roll the outer transaction back
+    assert tokens[1] == tokens[0] + 1
+    assert Lock.objects.using("locks").get(name="rollback").token == tokens[1]
+    connections["locks"].close()
+
+
+def test_purge_keeps_tokens_increasing():
+    first = acquire("p1", ttl=30)
+    first.release()
+    other = acquire("p2", ttl=30)
+    other.release()
+    assert purge_locks(idle=0) == 1  # p2 holds the largest token and stays
+    assert list(Lock.objects.values_list("name", flat=True)) == ["p2"]
+    again = acquire("p1", ttl=30)
+    assert again.token > first.token and again.token > other.token
+    again.release()
+    assert purge_locks(idle=timedelta(hours=1)) == 0
+
+
+def test_purge_leaves_held_locks():
+    held = acquire("held", ttl=30)
+    acquire("top", ttl=30).release()
+    assert purge_locks(idle=0) == 0
+    assert held.release() is True
+
+
+def test_import_distlock_is_lazy_and_complete():
+    for name in distlock.__all__:
+        assert getattr(distlock, name) is not None
+    with pytest.raises(AttributeError):
+        distlock.nothing_here  # noqa: B018

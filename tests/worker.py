@@ -1,0 +1,136 @@
+"""The program run by tests/processes.py: ``python -m tests.worker ROLE ARGS_JSON``.
+
+ROLE is a name from ROLES below or ``module:function`` (any importable function).
+
+Prints one JSON object per line; reads JSON commands on stdin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import django
+
+
+def emit(event: str, **data: Any) -> None:
+    print(json.dumps({"event": event, "pid": os.getpid(), **data}), flush=True)
+
+
+def us(moment: datetime | None) -> int | None:
+    from distlock.models import EPOCH
+
+    if moment is None:
+        return None
+    delta = moment - EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def command() -> dict[str, Any]:
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(0)
+    return json.loads(line)
+
+
+def lease_data(lease: Any) -> dict[str, Any]:
+    return {
+        "token": lease.token, "owner": lease.owner, "acquired_us": us(lease.acquired_at),
+        "expires_us": us(lease.expires_at), "remaining": lease.remaining(),
+    }
+
+
+def hammer(name: str, count: int, ttl: float, hold_ms: float) -> None:
+    """Acquire, hold briefly, release, ``count`` times; report every grant."""
+    from distlock import acquire
+
+    emit("ready")
+    command()
+    for _ in range(count):
+        lease = acquire(name, ttl=ttl, timeout=120)
+        assert lease is not None
+        time.sleep(random.uniform(0, hold_ms) / 1000)
+        held = lease.release()
+        emit("grant", **lease_data(lease), released_us=us(lease.released_at), held=held)
+    emit("done")
+
+
+def hold(name: str, ttl: float, timeout: float | None = 30) -> None:
+    """Acquire once, then obey commands: renew, release, remaining, exit."""
+    from distlock import LockLost, acquire
+
+    lease = acquire(name, ttl=ttl, timeout=timeout)
+    if lease is None:
+        emit("busy")
+        return
+    emit("acquired", **lease_data(lease), wall=time.time())
+    while True:
+        order = command()["command"]
+        if order == "renew":
+            try:
+                lease.renew()
+                emit("renewed", **lease_data(lease))
+            except LockLost as exc:
+                emit("lost", reason=exc.reason)
+        elif order == "release":
+            emit("released", held=lease.release())
+        elif order == "remaining":
+            emit("remaining", remaining=lease.remaining())
+        elif order == "exit":
+            return
+
+
+def try_once(name: str, ttl: float) -> None:
+    """One non-blocking try."""
+    from distlock import acquire
+
+    lease = acquire(name, ttl=ttl, blocking=False)
+    if lease is None:
+        emit("busy", wall=time.time())
+    else:
+        emit("acquired", **lease_data(lease), wall=time.time())
+
+
+def wait_for(name: str, ttl: float, timeout: float) -> None:
+    """Blocking acquire after a "go" command; reports how long it waited."""
+    from distlock import acquire
+
+    emit("ready")
+    command()
+    started = time.monotonic()
+    lease = acquire(name, ttl=ttl, timeout=timeout)
+    if lease is None:
+        emit("timeout", waited=time.monotonic() - started)
+        return
+    emit("acquired", **lease_data(lease), waited=time.monotonic() - started)
+    lease.release()
+
+
+ROLES: dict[str, Callable[..., None]] = {
+    "hammer": hammer, "hold": hold, "try_once": try_once, "wait_for": wait_for,
+}
+
+if __name__ == "__main__":
+    role, args = sys.argv[1], json.loads(sys.argv[2])
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    django.setup()
+    if ":" in role:  # "package.module:function" for roles kept beside other tests
+        module, _, function = role.partition(":")
+        target = getattr(importlib.import_module(module), function)
+    else:
+        target = ROLES[role]
+    try:
+        target(*args)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        emit("error", error=repr(exc), traceback=traceback.format_exc())
+        sys.exit(1)
