@@ -43,20 +43,26 @@ class Child:
         )
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._readers = [
+            threading.Thread(target=self._read, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    self.events.put(json.loads(line))
         self.events.put(None)
 
     def _read_stderr(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
+        with self.proc.stderr:
+            for line in self.proc.stderr:
+                self.stderr.append(line)
 
     def expect(self, event: str, timeout: float = 30.0) -> dict[str, Any]:
         """The next event of this kind; fails on a different event, exit or deadline."""
@@ -89,24 +95,33 @@ class Child:
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
 
+    def _close(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+
+    def _join_readers(self) -> None:
+        for reader in self._readers:
+            reader.join(timeout=10)
+
     def finish(self, timeout: float = 60.0) -> int:
         """Wait for a normal exit (closing stdin first); kill on the deadline."""
+        self._close()
         try:
-            if self.proc.stdin and not self.proc.stdin.closed:
-                self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            return self.proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"{self.role} did not exit within {timeout} s") from None
+        self._join_readers()
+        return code
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        self._close()
+        self._join_readers()
 
 
 class Children:

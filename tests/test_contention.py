@@ -1,0 +1,146 @@
+"""Mutual exclusion, crashes, clock skew and lock waits, with real OS processes."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+from django.db import connections
+
+from distlock import acquire
+from distlock.db import TABLE, db_now_us, now_sql
+from distlock.models import Lock
+
+pytestmark = pytest.mark.processes
+
+WORKERS = 8
+GRANTS_EACH = 25
+
+
+def test_processes_hammering_one_name_never_overlap(children):
+    """8 processes × 25 grants: tokens contiguous and unique, leases disjoint in DB time."""
+    procs = [
+        children.start("hammer", "hammer", GRANTS_EACH, 10.0, 3.0) for _ in range(WORKERS)
+    ]
+    for proc in procs:
+        proc.expect("ready", timeout=60)
+    for proc in procs:
+        proc.send("go")
+    grants = []
+    for proc in procs:
+        for _ in range(GRANTS_EACH):
+            grants.append(proc.expect("grant", timeout=120))
+        proc.expect("done", timeout=30)
+        assert proc.finish() == 0
+
+    grants.sort(key=lambda grant: grant["token"])
+    tokens = [grant["token"] for grant in grants]
+    assert len(tokens) == WORKERS * GRANTS_EACH
+    assert tokens == list(range(tokens[0], tokens[0] + len(tokens))), "tokens skipped or repeated"
+    assert all(grant["held"] for grant in grants), "a holder lost its lease before releasing"
+    for earlier, later in zip(grants, grants[1:], strict=False):
+        end = min(earlier["released_us"], earlier["expires_us"])
+        assert later["acquired_us"] >= end, f"leases overlap: {earlier} and {later}"
+    assert len({grant["pid"] for grant in grants}) == WORKERS
+
+
+def test_killed_holder_blocks_others_for_at_most_its_ttl(children):
+    ttl = 2.0
+    holder = children.start("hold", "crash", ttl)
+    held = holder.expect("acquired", timeout=60)
+    waiter = children.start("wait_for", "crash", 30.0, 15.0)
+    waiter.expect("ready", timeout=60)
+    killed_at = db_now_us("default")
+    holder.signal(signal.SIGKILL)
+    waiter.send("go")
+    got = waiter.expect("acquired", timeout=30)
+    assert got["token"] > held["token"]
+    assert got["acquired_us"] >= held["expires_us"], "granted before the dead holder's expiry"
+    assert got["acquired_us"] - killed_at <= (ttl + 1.0) * 1e6, "waited longer than ttl + 1 s"
+
+
+def test_stale_holder_release_and_renew_are_noops(children):
+    stale = children.start("hold", "stale", 0.5)
+    old = stale.expect("acquired", timeout=60)
+    fresh = acquire("stale", ttl=30, timeout=10)
+    assert fresh is not None and fresh.token == old["token"] + 1
+    before = Lock.objects.values().get(name="stale")
+
+    stale.send("renew")
+    assert "taken over" in stale.expect("lost")["reason"]
+    stale.send("release")
+    assert stale.expect("released")["held"] is False
+
+    assert Lock.objects.values().get(name="stale") == before
+    assert fresh.release() is True
+
+
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (libfaketime)")
+@pytest.mark.parametrize("skew", ["+30s", "-30s"])
+def test_client_clock_skew_changes_nothing(children, skew):
+    """A holder and a contender whose wall clocks are off by ±30 s, in opposite directions."""
+    if connections["default"].vendor == "sqlite":
+        pytest.skip(
+            "SQLite has no server clock: each process reads its host's clock, which all "
+            "processes on the one host SQLite requires share (see README, limits)"
+        )
+    other = "-30s" if skew == "+30s" else "+30s"
+    faked = {"FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+    holder = children.start(
+        "hold", "skew", 3.0, env={**faked, "FAKETIME": skew}, prefix=["faketime", "-f", skew]
+    )
+    held = holder.expect("acquired", timeout=60)
+    assert abs(held["wall"] - time.time() - int(skew[:-1])) < 5, "faketime did not skew"
+
+    contender = children.start(
+        "try_once", "skew", 3.0, env={**faked, "FAKETIME": other}, prefix=["faketime", "-f", other]
+    )
+    assert contender.expect("busy", timeout=60), "a skewed clock took an unexpired lock"
+    holder.send("remaining")
+    assert holder.expect("remaining")["remaining"] > 0, "the holder lost its lease early"
+    holder.send("renew")
+    assert holder.expect("renewed")["token"] == held["token"]
+    holder.send("release")
+    assert holder.expect("released")["held"] is True
+
+
+def test_grant_after_a_row_lock_wait_is_not_expired_at_birth(lock_db):
+    """The frozen now() trap: the acquire waits on the row lock longer than its ttl."""
+    acquire("frozen", ttl=30).release()
+    blocker = connections.create_connection("default")
+    blocked = threading.Event()
+    outcome = []
+
+    def wait_then_acquire():
+        blocked.wait(10)
+        outcome.append(acquire("frozen", ttl=0.5, timeout=20))
+        connections.close_all()
+
+    # Hold the lock row (or SQLite's write lock) in another connection for 1.5 s (3× ttl).
+    blocker.set_autocommit(False)
+    with blocker.cursor() as cursor:
+        if blocker.vendor != "sqlite":
+            cursor.execute(f"SELECT token FROM {TABLE} WHERE name = %s FOR UPDATE", ["frozen"])
+        else:
+            cursor.execute(f"UPDATE {TABLE} SET holder = holder WHERE name = %s", ["frozen"])
+        thread = threading.Thread(target=wait_then_acquire)
+        thread.start()
+        blocked.set()
+        # The scenario itself: hold the row three times longer than the ttl asked for.
+        time.sleep(1.5)
+        cursor.execute(f"SELECT {now_sql(blocker)}", [])
+        released_us = cursor.fetchone()[0]
+    blocker.commit()
+    blocker.close()
+    thread.join(30)
+    lease = outcome[0]
+    assert lease is not None
+    granted = Lock.objects.get(name="frozen")
+    # With a transaction-start clock the expiry would be about 1 s before this instant.
+    assert granted.acquired_us >= released_us
+    assert granted.expires_us >= released_us + 400_000, "lease was expired at birth"
+    assert (lease.expires_at - lease.acquired_at).total_seconds() == pytest.approx(0.5, abs=0.01)
+    lease.release()
