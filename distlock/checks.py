@@ -65,15 +65,22 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if alias not in settings.DATABASES:
         return []  # reported by E001
     connection = connections[alias]
-    options = connection.settings_dict.get("OPTIONS", {})
+    return database_messages(alias, connection.vendor, connection.settings_dict)
+
+
+def database_messages(
+    alias: str, vendor: str, settings_dict: dict[str, Any]
+) -> list[CheckMessage]:
+    """The backend checks for one DATABASES entry (separate from connections, for tests)."""
+    options = settings_dict.get("OPTIONS", {})
     messages: list[CheckMessage] = []
-    if connection.vendor not in SUPPORTED_VENDORS:
+    if vendor not in SUPPORTED_VENDORS:
         messages.append(Error(
-            f"distlock does not support the {connection.vendor!r} backend (database {alias!r}).",
+            f"distlock does not support the {vendor!r} backend (database {alias!r}).",
             hint="Use PostgreSQL, MariaDB/MySQL or SQLite for the lock table.",
             id="distlock.E002",
         ))
-    if connection.vendor == "sqlite":
+    if vendor == "sqlite":
         if str(options.get("transaction_mode", "")).upper() != "IMMEDIATE":
             messages.append(Error(
                 f"SQLite database {alias!r} does not use IMMEDIATE transactions.",
@@ -91,7 +98,7 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 hint='Set DATABASES[...]["OPTIONS"]["timeout"] to seconds to wait, e.g. 20.',
                 id="distlock.E004",
             ))
-    if connection.settings_dict.get("ATOMIC_REQUESTS"):
+    if settings_dict.get("ATOMIC_REQUESTS"):
         messages.append(Warning(
             f"Database {alias!r} holds the lock table and has ATOMIC_REQUESTS = True, so "
             "every view runs inside a transaction there and distlock will refuse to lock.",
@@ -102,7 +109,7 @@ def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             ),
             id="distlock.W001",
         ))
-    if connection.vendor == "mysql" and options.get("charset") != "utf8mb4":
+    if vendor == "mysql" and options.get("charset") != "utf8mb4":
         messages.append(Warning(
             f"MySQL/MariaDB database {alias!r} does not connect with charset utf8mb4.",
             hint='Set DATABASES[...]["OPTIONS"]["charset"] = "utf8mb4" so that any '
