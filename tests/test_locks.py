@@ -229,3 +229,39 @@ def test_import_distlock_is_lazy_and_complete():
         assert getattr(distlock, name) is not None
     with pytest.raises(AttributeError):
         distlock.nothing_here  # noqa: B018
+
+
+def test_holder_deadline_is_never_later_than_the_databases():
+    for _ in range(20):
+        lease = acquire("deadline", ttl=5)
+        db_now = db_now_us("default")
+        left_by_db = (lease.expires_at - Lock(expires_us=db_now).expires_at).total_seconds()
+        # remaining() is read after the database clock: it must be the smaller of the two.
+        assert lease.remaining() <= left_by_db
+        lease.release()
+
+
+def test_token_overflow_raises_and_grants_nothing():
+    from distlock import TokenExhausted
+    from distlock.validation import MAX_TOKEN
+
+    acquire("full", ttl=5).release()
+    Lock.objects.filter(name="full").update(token=MAX_TOKEN)
+    with pytest.raises(TokenExhausted):
+        acquire("full", ttl=5, blocking=False)
+    # A new name would have to start above the largest token in the table.
+    with pytest.raises(TokenExhausted):
+        acquire("brand-new", ttl=5, blocking=False)
+    row = Lock.objects.get(name="full")
+    assert (row.token, row.owner) == (MAX_TOKEN, "")
+    assert not Lock.objects.filter(name="brand-new").exists()
+
+
+def test_release_is_idempotent_and_lock_can_be_reacquired_at_once():
+    lease = acquire("twice", ttl=5)
+    assert lease.release() is True
+    assert lease.release() is False
+    assert lease.released_at is not None and lease.remaining() == 0
+    with pytest.raises(LockLost):
+        lease.check()
+    assert acquire("twice", ttl=5, blocking=False).token == lease.token + 1
