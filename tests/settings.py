@@ -56,6 +56,10 @@ elif BACKEND == "mariadb":
         "django.db.backends.mysql",
     )
     default["OPTIONS"] = {"charset": "utf8mb4"}
+    # MariaDB's own default; Django's is READ COMMITTED. REPEATABLE READ is where gap locks
+    # make "lock if it exists, else insert" deadlock, so the suite can run under both.
+    if os.environ.get("DISTLOCK_TEST_ISOLATION"):
+        default["OPTIONS"]["isolation_level"] = os.environ["DISTLOCK_TEST_ISOLATION"]
     default["TEST"] = {"NAME": f"test_distlock{SUFFIX}", "CHARSET": "utf8mb4"}
 else:
     raise RuntimeError(f"DISTLOCK_TEST_BACKEND={BACKEND!r}: use sqlite, postgresql or mariadb")

@@ -144,3 +144,29 @@ def test_grant_after_a_row_lock_wait_is_not_expired_at_birth(lock_db):
     assert granted.expires_us >= released_us + 400_000, "lease was expired at birth"
     assert (lease.expires_at - lease.acquired_at).total_seconds() == pytest.approx(0.5, abs=0.01)
     lease.release()
+
+
+@pytest.mark.parametrize("isolation", ["", "repeatable read"])
+def test_first_use_of_many_names_races_without_deadlocks(children, isolation):
+    """8 processes first-use 40 names, in different orders, the same names at once."""
+    if isolation and connections["default"].vendor != "mysql":
+        pytest.skip("gap locks under REPEATABLE READ are a MariaDB/MySQL matter")
+    names = [f"fresh:{i:03d}" for i in range(40)]
+    env = {"DISTLOCK_TEST_ISOLATION": isolation}
+    procs = [
+        children.start("first_use", names[::1 if n % 2 else -1], 10.0, env=env)
+        for n in range(WORKERS)
+    ]
+    for proc in procs:
+        proc.expect("ready", timeout=60)
+    for proc in procs:
+        proc.send("go")
+    per_name: dict[str, list[int]] = {}
+    for proc in procs:
+        for name, token in proc.expect("done", timeout=120)["tokens"].items():
+            per_name.setdefault(name, []).append(token)
+        assert proc.finish() == 0
+    assert sorted(per_name) == names
+    for name, tokens in per_name.items():
+        assert len(set(tokens)) == WORKERS, f"{name}: a token was granted twice: {tokens}"
+    assert Lock.objects.filter(name__in=names).count() == len(names)

@@ -114,7 +114,23 @@ def wait_for(name: str, ttl: float, timeout: float) -> None:
     lease.release()
 
 
+def first_use(names: list[str], ttl: float) -> None:
+    """Acquire and release each name once, after a "go": most are used for the first time."""
+    from distlock import acquire
+
+    emit("ready")
+    command()
+    tokens = {}
+    for name in names:
+        lease = acquire(name, ttl=ttl, timeout=60)
+        assert lease is not None
+        tokens[name] = lease.token
+        assert lease.release()
+    emit("done", tokens=tokens)
+
+
 ROLES: dict[str, Callable[..., None]] = {
+    "first_use": first_use,
     "hammer": hammer, "hold": hold, "try_once": try_once, "wait_for": wait_for,
 }
 
