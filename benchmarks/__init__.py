@@ -1,0 +1,1 @@
+"""Benchmarks of distlock beside reference lock designs (see run.py)."""

@@ -1,0 +1,1 @@
+"""A tiny app for the fenced-write benchmark: one FencedModel, tables made by syncdb."""

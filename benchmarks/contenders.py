@@ -1,0 +1,423 @@
+"""The locks being compared: distlock and the reference designs, one class each.
+
+Every contender is built in the parent and used in a forked worker: ``connect()`` opens
+the worker's own connection, ``try_acquire(name)`` makes one non-blocking try and
+returns a handle (or None when the lock is busy), ``release(handle)`` frees it.
+Reference SQL follows research/anchors-performance.md so the figures are comparable.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from typing import Any
+
+TTL_S = 30
+TTL_MS = TTL_S * 1000
+
+# The reference lock table ("A", "B"): the smallest schema a token lock needs.
+PG_REF_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_lock (
+    name text PRIMARY KEY,
+    owner text NOT NULL DEFAULT '',
+    token bigint NOT NULL DEFAULT 0,
+    expires_at timestamptz NOT NULL DEFAULT '-infinity'
+)"""
+MARIA_REF_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_lock (
+    name varchar(255) COLLATE utf8mb4_nopad_bin PRIMARY KEY,
+    owner varchar(32) NOT NULL DEFAULT '',
+    token bigint NOT NULL DEFAULT 0,
+    expires_at datetime(6) NOT NULL DEFAULT '1970-01-01 00:00:01'
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
+SQLITE_REF_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_lock (
+    name text PRIMARY KEY,
+    owner text NOT NULL DEFAULT '',
+    token integer NOT NULL DEFAULT 0,
+    expires_at real NOT NULL DEFAULT 0
+)"""
+
+
+def new_owner() -> str:
+    return uuid.uuid4().hex
+
+
+class Contender:
+    """One lock design. ``label`` is the row name in the table."""
+
+    label = ""
+    # What the figure means in the table's notes.
+    note = ""
+
+    def connect(self) -> None:
+        raise NotImplementedError
+
+    def try_acquire(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def release(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Distlock(Contender):
+    """distlock's public API: ``acquire(blocking=False)`` and ``Lease.release()``."""
+
+    def __init__(self, alias: str, label: str = "distlock") -> None:
+        self.alias = alias
+        self.label = label
+        self.note = "acquire(blocking=False) + Lease.release() through Django"
+
+    def connect(self) -> None:
+        from django.db import connections
+
+        connections[self.alias].ensure_connection()
+
+    def try_acquire(self, name: str) -> Any:
+        from distlock import acquire
+
+        return acquire(name, ttl=TTL_S, blocking=False, using=self.alias)
+
+    def release(self, handle: Any) -> None:
+        handle.release()
+
+    def close(self) -> None:
+        from django.db import connections
+
+        connections.close_all()
+
+
+class DjangoDbMutex(Contender):
+    """django-db-mutex 3.1: DELETE expired rows + INSERT; a refusal is an IntegrityError."""
+
+    label = "D django-db-mutex"
+    note = "ORM DELETE of expired rows + INSERT; no fencing token"
+
+    def connect(self) -> None:
+        from django.db import connection
+
+        connection.ensure_connection()
+
+    def try_acquire(self, name: str) -> Any:
+        from db_mutex.db_mutex import db_mutex
+        from db_mutex.exceptions import DBMutexError
+
+        mutex = db_mutex(name)
+        try:
+            mutex.start()
+        except DBMutexError:
+            return None
+        return mutex
+
+    def release(self, handle: Any) -> None:
+        handle.stop()
+
+    def close(self) -> None:
+        from django.db import connections
+
+        connections.close_all()
+
+
+class _Psycopg(Contender):
+    def __init__(self, conninfo: str) -> None:
+        self.conninfo = conninfo
+        self.conn: Any = None
+
+    def connect(self) -> None:
+        import psycopg
+
+        self.conn = psycopg.connect(self.conninfo, autocommit=True)
+        self.cur = self.conn.cursor()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+class PgUpsert(_Psycopg):
+    """A: one INSERT … ON CONFLICT DO UPDATE … RETURNING token; release by owner+token."""
+
+    label = "A pg upsert (psycopg)"
+    note = "1 statement + 1 statement, autocommit, prepared: the reference"
+    ACQUIRE = (
+        "INSERT INTO bench_lock AS l (name, owner, token, expires_at) "
+        "VALUES (%s, %s, 1, now() + make_interval(secs => %s)) "
+        "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, token = l.token + 1, "
+        "expires_at = excluded.expires_at "
+        "WHERE l.expires_at < now() OR l.owner = '' RETURNING token"
+    )
+    RELEASE = "UPDATE bench_lock SET owner = '' WHERE name = %s AND owner = %s AND token = %s"
+
+    def try_acquire(self, name: str) -> Any:
+        owner = new_owner()
+        row = self.cur.execute(self.ACQUIRE, (name, owner, TTL_S)).fetchone()
+        return None if row is None else (name, owner, row[0])
+
+    def release(self, handle: Any) -> None:
+        self.cur.execute(self.RELEASE, handle)
+
+
+class PgSelectForUpdate(_Psycopg):
+    """B: BEGIN; SELECT … FOR UPDATE; UPDATE; COMMIT, for acquire and for release."""
+
+    label = "B pg select-for-update (psycopg)"
+    note = "the requested design in raw SQL: 4 statements per operation"
+
+    def connect(self) -> None:
+        super().connect()
+        self.conn.autocommit = False
+
+    def try_acquire(self, name: str) -> Any:
+        cur = self.cur
+        row = cur.execute(
+            "SELECT owner, token, expires_at < clock_timestamp() FROM bench_lock "
+            "WHERE name = %s FOR UPDATE", (name,)
+        ).fetchone()
+        owner = new_owner()
+        if row is None:
+            cur.execute(
+                "INSERT INTO bench_lock (name, owner, token, expires_at) VALUES "
+                "(%s, %s, 1, clock_timestamp() + make_interval(secs => %s)) "
+                "ON CONFLICT (name) DO NOTHING", (name, owner, TTL_S),
+            )
+            self.conn.commit()
+            return (name, owner, 1) if cur.rowcount == 1 else None
+        if row[0] and not row[2]:
+            self.conn.commit()
+            return None
+        cur.execute(
+            "UPDATE bench_lock SET owner = %s, token = token + 1, "
+            "expires_at = clock_timestamp() + make_interval(secs => %s) WHERE name = %s",
+            (owner, TTL_S, name),
+        )
+        self.conn.commit()
+        return (name, owner, row[1] + 1)
+
+    def release(self, handle: Any) -> None:
+        name, owner, token = handle
+        cur = self.cur
+        row = cur.execute(
+            "SELECT owner, token FROM bench_lock WHERE name = %s FOR UPDATE", (name,)
+        ).fetchone()
+        if row is not None and (row[0], row[1]) == (owner, token):
+            cur.execute("UPDATE bench_lock SET owner = '' WHERE name = %s", (name,))
+        self.conn.commit()
+
+
+class PgAdvisory(_Psycopg):
+    """E: pg_try_advisory_lock / pg_advisory_unlock (no TTL, no token, session-bound)."""
+
+    label = "E pg advisory lock"
+    note = "no table, no WAL, no token; lost with the session"
+
+    def try_acquire(self, name: str) -> Any:
+        key = zlib.crc32(name.encode())
+        ok = self.cur.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()[0]
+        return key if ok else None
+
+    def release(self, handle: Any) -> None:
+        self.cur.execute("SELECT pg_advisory_unlock(%s)", (handle,))
+
+
+class RedisSetNx(Contender):
+    """F1: SET key owner NX PX ttl; release by a Lua compare-and-delete (EVALSHA)."""
+
+    label = "F1 redis SET NX PX"
+    note = "not durable (no commit to disk), no fencing token"
+    RELEASE = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "return redis.call('del', KEYS[1]) else return 0 end"
+    )
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def connect(self) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(self.url)
+        self.client.ping()
+        self.script = self.client.register_script(self.RELEASE)
+
+    def try_acquire(self, name: str) -> Any:
+        key = f"distlock-bench:{name}"
+        owner = new_owner()
+        if self.client.set(key, owner, nx=True, px=TTL_MS):
+            return key, owner
+        return None
+
+    def release(self, handle: Any) -> None:
+        key, owner = handle
+        self.script(keys=[key], args=[owner])
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class MariaUpsert(Contender):
+    """M.A: one INSERT … ON DUPLICATE KEY UPDATE; the token comes back as LAST_INSERT_ID.
+
+    The guard is evaluated once into ``@ok`` before any column changes (MariaDB applies
+    the assignments left to right), and ``LAST_INSERT_ID(expr)`` puts the new token in the
+    OK packet, so one round trip tells both "granted?" and the token.
+    """
+
+    label = "A mariadb upsert (mysqlclient)"
+    note = "1 statement + 1 statement, autocommit: the MariaDB reference"
+    ACQUIRE = (
+        "INSERT INTO bench_lock (name, owner, token, expires_at) "
+        "VALUES (%s, %s, LAST_INSERT_ID(1), SYSDATE(6) + INTERVAL %s SECOND) "
+        "ON DUPLICATE KEY UPDATE "
+        "token = IF(@ok := (expires_at < SYSDATE(6) OR owner = ''), "
+        "LAST_INSERT_ID(token + 1), token), "
+        "owner = IF(@ok, VALUES(owner), owner), "
+        "expires_at = IF(@ok, VALUES(expires_at), expires_at)"
+    )
+    RELEASE = "UPDATE bench_lock SET owner = '' WHERE name = %s AND owner = %s AND token = %s"
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    def connect(self) -> None:
+        import MySQLdb
+
+        self.conn = MySQLdb.connect(**self.params, autocommit=True, charset="utf8mb4")
+        self.cur = self.conn.cursor()
+
+    def try_acquire(self, name: str) -> Any:
+        owner = new_owner()
+        changed = self.cur.execute(self.ACQUIRE, (name, owner, TTL_S))
+        # 1: inserted, 2: updated, 0: the guard kept the row as it was (busy).
+        if changed == 0:
+            return None
+        return name, owner, self.cur.lastrowid
+
+    def release(self, handle: Any) -> None:
+        self.cur.execute(self.RELEASE, handle)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class SqliteUpsert(Contender):
+    """S.A: A's upsert in SQLite (autocommit, WAL, synchronous=FULL, busy timeout 5 s)."""
+
+    label = "A sqlite upsert (sqlite3)"
+    note = "A's statement in-process: the SQLite reference"
+    ACQUIRE = (
+        "INSERT INTO bench_lock AS l (name, owner, token, expires_at) "
+        "VALUES (?, ?, 1, julianday('now') + ?) "
+        "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, token = l.token + 1, "
+        "expires_at = excluded.expires_at "
+        "WHERE l.expires_at < julianday('now') OR l.owner = '' RETURNING token"
+    )
+    RELEASE = "UPDATE bench_lock SET owner = '' WHERE name = ? AND owner = ? AND token = ?"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def connect(self) -> None:
+        import sqlite3
+
+        self.conn = sqlite3.connect(self.path, timeout=5, isolation_level=None)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+
+    def try_acquire(self, name: str) -> Any:
+        owner = new_owner()
+        row = self.conn.execute(self.ACQUIRE, (name, owner, TTL_S / 86400)).fetchone()
+        return None if row is None else (name, owner, row[0])
+
+    def release(self, handle: Any) -> None:
+        self.conn.execute(self.RELEASE, handle)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _AccountWrite(Contender):
+    """One write of a worker's own BenchAccount row per "cycle"; release does nothing.
+
+    The "own" scenario gives worker i the name ``own:i``: it writes row i + 1, holding
+    the lease of that row's lock for the whole measurement (acquired at the first write).
+    """
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self.leases: dict[int, Any] = {}
+
+    def connect(self) -> None:
+        from django.db import connections
+
+        connections[self.alias].ensure_connection()
+
+    def _row(self, name: str) -> int:
+        return int(name.split(":")[1]) + 1
+
+    def _lease(self, pk: int) -> Any:
+        if pk not in self.leases:
+            from distlock import acquire
+
+            self.leases[pk] = acquire(f"bench-account:{pk}", ttl=3600, timeout=30,
+                                      using=self.alias)
+        return self.leases[pk]
+
+    def release(self, handle: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        from django.db import connections
+
+        for lease in self.leases.values():
+            lease.release()
+        connections.close_all()
+
+
+class PlainUpdate(_AccountWrite):
+    label = "plain update()"
+    note = "BenchAccount.objects.filter(pk=…).update(balance=F('balance') + 1)"
+
+    def try_acquire(self, name: str) -> Any:
+        from django.db.models import F
+
+        from benchmarks.benchapp.models import BenchAccount
+
+        return BenchAccount.objects.using(self.alias).filter(pk=self._row(name)).update(
+            balance=F("balance") + 1
+        )
+
+
+class FencedUpdate(_AccountWrite):
+    label = "fenced_update(lease)"
+    note = "ownership check (locking read) + conditional UPDATE in one transaction"
+
+    def try_acquire(self, name: str) -> Any:
+        from django.db.models import F
+
+        from benchmarks.benchapp.models import BenchAccount
+
+        pk = self._row(name)
+        return BenchAccount.objects.using(self.alias).filter(pk=pk).fenced_update(
+            self._lease(pk), balance=F("balance") + 1
+        )
+
+
+class FencedSave(_AccountWrite):
+    label = "save(fence=lease)"
+    note = "Model.save with the fence (the object is re-read once, then saved each time)"
+
+    def try_acquire(self, name: str) -> Any:
+        from benchmarks.benchapp.models import BenchAccount
+
+        pk = self._row(name)
+        if not hasattr(self, "objects"):
+            self.objects: dict[int, Any] = {}
+        account = self.objects.get(pk)
+        if account is None:
+            account = self.objects[pk] = BenchAccount.objects.using(self.alias).get(pk=pk)
+        account.balance += 1
+        account.save(fence=self._lease(pk), using=self.alias)
+        return True

@@ -1,0 +1,406 @@
+#!/usr/bin/env python
+"""Benchmark distlock beside reference lock designs, measured in the same run.
+
+    python benchmarks/run.py                 # full: 3 interleaved rounds, 8 processes
+    python benchmarks/run.py --quick         # proves it works (CI): 1 short round
+    python benchmarks/run.py --backends postgresql --rounds 5 --json out.json
+
+Method (research/anchors-performance.md): each measurement forks N worker processes,
+each connects and warms up, all start together at a barrier and run try-acquire →
+release cycles back to back for a few seconds. Rounds are interleaved with the contender
+order rotated each round; every figure is the median over rounds, and "× A" is the ratio
+to the reference A *in the same round*, then the median of those ratios. Absolute
+numbers on a shared machine move by ±20 % between rounds; the ratios are what to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import contenders as c  # noqa: E402
+from benchmarks import databases as dbs  # noqa: E402
+from benchmarks.harness import SCENARIOS, Result, measure  # noqa: E402
+
+BACKENDS = ("postgresql", "mariadb", "sqlite")
+
+
+@dataclass
+class Section:
+    """One table: a reference (first contender) and what is compared with it."""
+
+    title: str
+    alias: str
+    contenders: list[c.Contender]
+    scenarios: tuple[str, ...]
+    # Write sections: every worker writes its own row ("solo" = 1 process).
+    writes: bool = False
+    # label -> scenario -> one Result per round
+    results: dict[str, dict[str, list[Result]]] = field(default_factory=dict)
+
+
+def configure(backends: list[str], scale: bool, sqlite_path: str) -> None:
+    import django
+    from django.conf import settings
+
+    databases: dict[str, Any] = {}
+    if "postgresql" in backends:
+        # django-db-mutex always uses "default", so PostgreSQL is the default alias.
+        databases["default"] = dbs.pg_settings()
+        if scale:
+            databases["pg1m"] = dbs.pg_settings("_1m")
+    else:
+        databases["default"] = dbs.sqlite_settings(sqlite_path)
+    if "mariadb" in backends:
+        databases["mariadb"] = dbs.maria_settings()
+    if "sqlite" in backends:
+        databases["sqlite"] = dbs.sqlite_settings(sqlite_path)
+    apps = ["django.contrib.contenttypes", "django.contrib.auth", "distlock",
+            "benchmarks.benchapp"]
+    if _has_db_mutex():
+        apps.append("db_mutex")
+    settings.configure(
+        DATABASES=databases, INSTALLED_APPS=apps, USE_TZ=True, SECRET_KEY="bench",
+        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField", DEBUG=False,
+    )
+    django.setup()
+
+
+def _has_db_mutex() -> bool:
+    try:
+        import db_mutex  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build(backends: list[str], scale: bool, with_redis: bool,
+          scenarios: tuple[str, ...] = SCENARIOS) -> list[Section]:
+    sections = []
+    if "postgresql" in backends:
+        dbs.create_pg()
+        dbs.prepare("default", dbs.POOL)
+        pg = [c.PgUpsert(dbs.pg_conninfo()), c.Distlock("default"),
+              c.PgSelectForUpdate(dbs.pg_conninfo())]
+        if _has_db_mutex():
+            pg.append(c.DjangoDbMutex())
+        pg.append(c.PgAdvisory(dbs.pg_conninfo()))
+        if with_redis:
+            pg.append(c.RedisSetNx(dbs.REDIS_URL))
+        sections.append(Section("PostgreSQL", "default", pg, scenarios))
+        if scale:
+            dbs.create_pg("_1m")
+            dbs.prepare("pg1m", dbs.BIG)
+    if "mariadb" in backends:
+        dbs.create_maria()
+        dbs.prepare("mariadb", dbs.POOL)
+        sections.append(Section(
+            "MariaDB", "mariadb",
+            [c.MariaUpsert(dbs.maria_params()), c.Distlock("mariadb")], scenarios,
+        ))
+    if "sqlite" in backends:
+        dbs.prepare("sqlite", dbs.POOL)
+        from django.conf import settings
+
+        sections.append(Section(
+            "SQLite", "sqlite",
+            [c.SqliteUpsert(settings.DATABASES["sqlite"]["NAME"]), c.Distlock("sqlite")],
+            scenarios,
+        ))
+    for section in list(sections):
+        sections.append(Section(
+            f"Fenced write ({section.title})", section.alias,
+            [c.PlainUpdate(section.alias), c.FencedUpdate(section.alias),
+             c.FencedSave(section.alias)],
+            tuple(sc for sc in scenarios if sc in ("solo", "own")) or ("solo",), writes=True,
+        ))
+    return sections
+
+
+def run_rounds(sections: list[Section], args: argparse.Namespace) -> None:
+    names = dbs.pool_names(dbs.POOL)
+    for round_no in range(args.rounds):
+        for section in sections:
+            shift = round_no % len(section.contenders)
+            order = section.contenders[shift:] + section.contenders[:shift]
+            for contender in order:
+                for scenario in section.scenarios:
+                    if not args.quick:
+                        dbs.maintain(section.alias)
+                    procs = 1 if scenario == "solo" else args.procs
+                    how = "own" if section.writes else scenario
+                    result = measure(contender, how, procs, args.seconds, args.warmup, names)
+                    section.results.setdefault(contender.label, {}).setdefault(
+                        scenario, []).append(result)
+                    _progress(f"round {round_no + 1} {section.title}: {contender.label} "
+                              f"{scenario} {result.rate:,.0f}/s")
+
+
+def run_scale(args: argparse.Namespace) -> dict[str, dict[str, list[Result]]]:
+    """Solo cycles on a 1,000-row and a 1,000,000-row table, alternating, per contender."""
+    tables = {
+        "1k": ("default", dbs.pg_conninfo(), dbs.pool_names(dbs.POOL)),
+        "1M": ("pg1m", dbs.pg_conninfo("_1m"), dbs.pool_names(dbs.BIG)),
+    }
+    results: dict[str, dict[str, list[Result]]] = {}
+    for round_no in range(args.rounds):
+        sizes = ["1k", "1M"] if round_no % 2 == 0 else ["1M", "1k"]
+        for size in sizes:
+            alias, conninfo, names = tables[size]
+            for contender in (c.PgUpsert(conninfo), c.Distlock(alias)):
+                dbs.maintain(alias)
+                result = measure(contender, "solo", 1, args.seconds, args.warmup, names)
+                results.setdefault(contender.label, {}).setdefault(size, []).append(result)
+                _progress(f"round {round_no + 1} scale {size}: {contender.label} "
+                          f"{result.rate:,.0f}/s")
+    return results
+
+
+def _progress(text: str) -> None:
+    print(f"  … {text}", file=sys.stderr, flush=True)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def ratio(section: Section, label: str, scenario: str, reference: str | None = None) -> float:
+    """Median over rounds of (label's rate / the reference's rate in the same round)."""
+    ref = reference or section.contenders[0].label
+    pairs = zip(section.results[label][scenario], section.results[ref][scenario], strict=True)
+    return statistics.median(mine.rate / theirs.rate for mine, theirs in pairs)
+
+
+def _n(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.0f}"
+
+
+def table(section: Section, procs: int) -> str:
+    if section.writes:
+        return write_table(section, procs)
+    heads = {
+        "solo": ["solo cyc/s", "× A", "acq p50/p99 µs"],
+        "own": [f"own{procs} cyc/s", "× A", "acq p50/p99 µs"],
+        "contend": [f"contend{procs} grants/s", "× A", "tries/s",
+                    "wait-to-grant p50/p99 µs"],
+    }
+    head = [section.title] + [h for sc in section.scenarios for h in heads[sc]]
+    fair = [sc for sc in ("own", "contend") if sc in section.scenarios]
+    if fair:
+        head.append(f"Jain {'/'.join(fair)}")
+    head.append(f"client CPU µs/cycle {section.scenarios[0]}")
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for contender in section.contenders:
+        label = contender.label
+        cells = [f"**{label}**" if label == "distlock" else label]
+        for scenario in section.scenarios:
+            runs = section.results[label][scenario]
+            cells.append(_n(_median([r.rate for r in runs])))
+            cells.append(f"{ratio(section, label, scenario):.2f}")
+            if scenario == "contend":
+                cells.append(_n(_median([r.tries for r in runs])))
+                cells.append(f"{_n(_median([r.wait_p50_us for r in runs]))} / "
+                             f"{_n(_median([r.wait_p99_us for r in runs]))}")
+            else:
+                cells.append(f"{_n(_median([r.acquire_p50_us for r in runs]))} / "
+                             f"{_n(_median([r.acquire_p99_us for r in runs]))}")
+        if fair:
+            jains = [_median([r.jain for r in section.results[label][sc]]) for sc in fair]
+            cells.append(" / ".join(f"{j:.2f}" for j in jains))
+        runs = section.results[label][section.scenarios[0]]
+        cells.append(_n(_median([r.cpu_us for r in runs])))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_table(section: Section, procs: int) -> str:
+    """Writes/s of each write form, and its cost per write relative to plain update()."""
+    heads = {"solo": "1 process", "own": f"{procs} processes, own rows"}
+    head = [section.title]
+    for scenario in section.scenarios:
+        head += [f"{heads[scenario]} writes/s", "cost × plain", "write p50/p99 µs"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for contender in section.contenders:
+        cells = [contender.label]
+        for scenario in section.scenarios:
+            runs = section.results[contender.label][scenario]
+            cells.append(_n(_median([r.rate for r in runs])))
+            cells.append(f"{1 / ratio(section, contender.label, scenario):.2f}")
+            cells.append(f"{_n(_median([r.acquire_p50_us for r in runs]))} / "
+                         f"{_n(_median([r.acquire_p99_us for r in runs]))}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets(section: Section) -> list[str]:
+    """Issue 7's PostgreSQL targets for distlock, checked against this run."""
+    res = section.results
+    if "distlock" not in res:
+        return []
+    d_label = c.DjangoDbMutex.label
+    out = []
+
+    def check(text: str, ok: bool, value: str) -> None:
+        out.append(f"- {'met ' if ok else 'MISSED'} {text}: {value}")
+
+    have = set(section.scenarios)
+    if "solo" in have:
+        solo = ratio(section, "distlock", "solo")
+        check("1 process ≥ 0.8× A", solo >= 0.8, f"{solo:.2f}")
+    if "own" in have:
+        own = ratio(section, "distlock", "own")
+        check("processes on their own names ≥ 0.7× A", own >= 0.7, f"{own:.2f}")
+    if d_label in res:
+        for scenario in have & {"solo", "own"}:
+            vs_d = ratio(section, "distlock", scenario, d_label)
+            check(f"{scenario} ≥ 3× django-db-mutex", vs_d >= 3, f"{vs_d:.2f}")
+    if "contend" not in have:
+        return out
+    grants = ratio(section, "distlock", "contend")
+    check("one name: grants/s ≥ 1.0× A", grants >= 1.0, f"{grants:.2f}")
+    mine = _median([r.wait_p99_us for r in res["distlock"]["contend"]])
+    ref = _median([r.wait_p99_us for r in res[section.contenders[0].label]["contend"]])
+    if mine is not None and ref is not None:
+        check("one name: wait-to-grant p99 below A's", mine < ref,
+              f"{mine:,.0f} µs vs {ref:,.0f} µs")
+    return out
+
+
+def scale_table(results: dict[str, dict[str, list[Result]]]) -> str:
+    lines = ["| scale (solo) | cycles/s @1k | cycles/s @1M | 1M / 1k | acq p50 µs 1k → 1M "
+             "| acq p99 µs 1k → 1M |", "|---|---:|---:|---:|---|---|"]
+    for label, sizes in results.items():
+        small, big = sizes["1k"], sizes["1M"]
+        change = statistics.median(b.rate / s.rate for s, b in zip(small, big, strict=True))
+        lines.append(
+            f"| {label} | {_n(_median([r.rate for r in small]))} "
+            f"| {_n(_median([r.rate for r in big]))} | {change:.2f} "
+            f"| {_n(_median([r.acquire_p50_us for r in small]))} → "
+            f"{_n(_median([r.acquire_p50_us for r in big]))} "
+            f"| {_n(_median([r.acquire_p99_us for r in small]))} → "
+            f"{_n(_median([r.acquire_p99_us for r in big]))} |"
+        )
+    return "\n".join(lines)
+
+
+def conditions(sections: list[Section], args: argparse.Namespace) -> str:
+    from django.db import connections
+
+    lines = [
+        f"- {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start; "
+        f"Python {platform.python_version()}",
+        f"- {args.rounds} round(s), {args.seconds} s per measurement after {args.warmup} s "
+        f"warm-up, {args.procs} processes for own/contend; medians over rounds; × A = "
+        "ratio to the first row in the same round, median over rounds",
+    ]
+    for section in sections:
+        if section.writes:
+            continue
+        connection = connections[section.alias]
+        with connection.cursor() as cursor:
+            if connection.vendor == "sqlite":
+                cursor.execute("SELECT sqlite_version()")
+            else:
+                cursor.execute("SELECT version()")
+            version = cursor.fetchone()[0]
+            extra = ""
+            if connection.vendor == "postgresql":
+                cursor.execute("SHOW synchronous_commit")
+                extra = f", synchronous_commit={cursor.fetchone()[0]}"
+        host = connection.settings_dict.get("HOST") or "local file"
+        lines.append(f"- {section.title}: {version.split(' on ')[0]} via {host}{extra}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="one short round with 2 processes: proves the benchmark works")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma-separated: postgresql,mariadb,sqlite (default: all)")
+    parser.add_argument("--no-redis", action="store_true", help="leave out Redis (F1)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--procs", type=int, default=8)
+    parser.add_argument("--no-scale", action="store_true",
+                        help="skip the 1,000 vs 1,000,000 rows check (PostgreSQL)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help="comma-separated: solo,own,contend (default: all)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated label prefixes (e.g. 'B,D') to keep beside A "
+                        "and distlock; default: every contender")
+    parser.add_argument("--json", help="also write every per-round result to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds, args.warmup, args.procs = 1, 0.25, 0.1, 2
+        args.no_scale = True
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(backends) - set(BACKENDS)
+    if unknown or not backends:
+        parser.error(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+    if args.rounds < 1 or args.seconds <= 0 or args.procs < 2:
+        parser.error("need --rounds ≥ 1, --seconds > 0 and --procs ≥ 2")
+    scenarios = tuple(x.strip() for x in args.scenarios.split(",") if x.strip())
+    if not scenarios or set(scenarios) - set(SCENARIOS):
+        parser.error(f"--scenarios: choose from {', '.join(SCENARIOS)}")
+    scale = "postgresql" in backends and not args.no_scale
+    folder = tempfile.mkdtemp(prefix="distlock-bench-")
+    started = time.monotonic()
+    try:
+        configure(backends, scale, str(Path(folder) / "bench.sqlite3"))
+        sections = build(backends, scale, "postgresql" in backends and not args.no_redis,
+                         scenarios)
+        keep = tuple(x.strip() for x in args.only.split(",") if x.strip())
+        if keep:
+            for section in (s for s in sections if not s.writes):
+                section.contenders = [
+                    x for i, x in enumerate(section.contenders)
+                    if i == 0 or x.label == "distlock" or x.label.startswith(keep)
+                ]
+        print("## distlock benchmark\n")
+        print(conditions(sections, args) + "\n")
+        run_rounds(sections, args)
+        scaled = run_scale(args) if scale else None
+        for section in sections:
+            print(table(section, args.procs) + "\n")
+            if section.title == "Fenced write (PostgreSQL)":
+                cost = 1 / ratio(section, c.FencedUpdate.label, section.scenarios[0])
+                print("Issue 7 target: a fenced write costs at most 1.3× a plain update(): "
+                      f"{'met' if cost <= 1.3 else 'MISSED'} ({cost:.2f}×)\n")
+            if section.title == "PostgreSQL":
+                checks = targets(section)
+                if checks:
+                    print("Issue 7 targets (PostgreSQL, this run):\n" + "\n".join(checks) + "\n")
+        if scaled:
+            print(scale_table(scaled) + "\n")
+        print(f"({time.monotonic() - started:.0f} s)")
+        if args.json:
+            dump = {s.title: {label: {sc: [asdict(r) for r in runs] for sc, runs in by.items()}
+                              for label, by in s.results.items()} for s in sections}
+            if scaled:
+                dump["scale"] = {label: {size: [asdict(r) for r in runs]
+                                         for size, runs in by.items()}
+                                 for label, by in scaled.items()}
+            Path(args.json).write_text(json.dumps(dump, indent=1))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The short acquire path: one statement per operation on PostgreSQL, kept connections.
+
+Issue 7 moved PostgreSQL's acquire, renew and release into server-side functions
+(migration 0003) run in autocommit mode. These tests pin what that must not change:
+the same results and reasons as the Python path, FOR UPDATE semantics for grants, a
+refusal that takes no row lock, Django's query instrumentation still seeing the
+statements, and connections that are reused, or replaced once broken.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import DatabaseError, connection, connections
+from django.test.utils import CaptureQueriesContext
+
+from distlock import LockLost, acquire, break_lock
+from distlock import db as distlock_db
+from distlock.db import db_now_us
+from distlock.models import Lock
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+postgresql_only = pytest.mark.skipif(
+    "connection.vendor != 'postgresql'", reason="the server-side functions are PostgreSQL's"
+)
+
+
+def _raw_postgresql():
+    """A second session outside Django, to look at or lock rows behind distlock's back."""
+    import psycopg
+
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return psycopg.connect(**params, autocommit=True)
+
+
+def _wait_until_db_clock_passes(expires_us: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while db_now_us("default") <= expires_us:
+        assert time.monotonic() < deadline, "the database clock did not pass the expiry"
+        time.sleep(0.01)
+
+
+@postgresql_only
+def test_each_operation_is_one_statement_of_its_server_function():
+    with CaptureQueriesContext(connection) as queries:
+        lease = acquire("one-statement", ttl=30, blocking=False)
+        lease.renew()
+        assert lease.release() is True
+    sql = [q["sql"] for q in queries.captured_queries]
+    assert len(sql) == 3, sql
+    for statement, function in zip(sql, ["acquire", "renew", "release"], strict=True):
+        assert f"distlock_{function}(" in statement
+
+
+@postgresql_only
+def test_execute_wrappers_see_the_lock_statements():
+    seen: list[str] = []
+
+    def wrapper(execute, sql, params, many, context):
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(wrapper):
+        acquire("wrapped", ttl=30).release()
+    assert [s.split("FROM ")[1].split("(")[0] for s in seen] == [
+        "distlock_acquire", "distlock_release"
+    ]
+
+
+@postgresql_only
+def test_the_lean_cursor_is_used_only_when_nobody_watches():
+    connection.ensure_connection()
+    assert isinstance(distlock_db._statement_cursor(connection), distlock_db._BoundCursor)
+    with CaptureQueriesContext(connection):
+        assert not isinstance(
+            distlock_db._statement_cursor(connection), distlock_db._BoundCursor
+        )
+
+
+@postgresql_only
+def test_grant_results_match_the_row_and_tokens_start_above_the_table():
+    acquire("high", ttl=30).release()
+    Lock.objects.filter(name="high").update(token=1000)
+    lease = acquire("fresh-name", ttl=30)
+    row = Lock.objects.get(name="fresh-name")
+    assert lease.token == row.token == 1001
+    assert (row.owner, row.expires_at, row.acquired_at) == (
+        lease.owner, lease.expires_at, lease.acquired_at
+    )
+    assert lease.release() is True
+    assert Lock.objects.get(name="fresh-name").is_free
+
+
+@postgresql_only
+def test_a_refused_try_takes_no_row_lock_and_does_not_queue():
+    holder = acquire("busy", ttl=60)
+    raw = _raw_postgresql()
+    try:
+        # Another transaction holds the row lock of the busy lock (as a fenced write's
+        # FOR SHARE or an acquire in flight would). A try must still answer at once.
+        raw.execute("BEGIN")
+        raw.execute("SELECT 1 FROM distlock_lock WHERE name = 'busy' FOR UPDATE")
+        started = time.monotonic()
+        assert acquire("busy", ttl=5, blocking=False) is None
+        assert time.monotonic() - started < 10
+        raw.execute("ROLLBACK")
+        # xmax stays 0: nobody locked or changed the row version the grant wrote.
+        xmax_before = raw.execute(
+            "SELECT xmax::text FROM distlock_lock WHERE name = 'busy'"
+        ).fetchone()[0]
+        assert acquire("busy", ttl=5, blocking=False) is None
+        xmax_after = raw.execute(
+            "SELECT xmax::text FROM distlock_lock WHERE name = 'busy'"
+        ).fetchone()[0]
+        assert xmax_before == xmax_after
+    finally:
+        raw.close()
+    assert holder.release() is True
+
+
+@postgresql_only
+def test_a_grant_waits_for_the_row_lock_then_judges_by_the_clock_after_it():
+    first = acquire("queued", ttl=30)
+    assert first.release() is True
+    raw, watcher = _raw_postgresql(), _raw_postgresql()
+    try:
+        # Hold the free row's lock, then make the row look held for an hour by the
+        # database clock: the waiting grant must judge that version, not the free one.
+        raw.execute("BEGIN")
+        raw.execute("SELECT 1 FROM distlock_lock WHERE name = 'queued' FOR UPDATE")
+        result: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: (result.append(acquire("queued", ttl=30, blocking=False)),
+                            connections.close_all()),
+        )
+        waiter.start()
+        deadline = time.monotonic() + 30
+        # (Watched from another session: inside raw's transaction, pg_stat_activity
+        # would stay the snapshot of its first read.)
+        while not watcher.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database() AND query LIKE '%%distlock_acquire%%'"
+        ).fetchone()[0]:
+            assert time.monotonic() < deadline, "the grant never waited for the row lock"
+            time.sleep(0.01)
+        raw.execute(
+            "UPDATE distlock_lock SET owner = repeat('a', 32), holder = 'other', "
+            "expires_us = CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
+            " + 3600000000 WHERE name = 'queued'"
+        )
+        raw.execute("COMMIT")
+        waiter.join(timeout=30)
+        assert result == [None]
+    finally:
+        raw.close()
+        watcher.close()
+    row = Lock.objects.get(name="queued")
+    assert (row.token, row.holder) == (first.token, "other")
+
+
+@postgresql_only
+def test_renew_refusals_keep_their_reasons():
+    lease = acquire("renew-reasons", ttl=0.2)
+    _wait_until_db_clock_passes(Lock.objects.get(name="renew-reasons").expires_us)
+    with pytest.raises(LockLost, match="expired before the renewal"):
+        lease.renew()
+    other = acquire("renew-reasons", ttl=30)
+    assert break_lock("renew-reasons")
+    with pytest.raises(LockLost, match="released, broken or taken over"):
+        other.renew()
+
+
+def test_operations_reuse_one_connection():
+    """CONN_MAX_AGE = 0 (Django's default) must not mean a new connection per operation."""
+    assert connection.settings_dict["CONN_MAX_AGE"] == 0
+    acquire("reuse", ttl=30).release()
+    raw = connection.connection
+    for _ in range(3):
+        lease = acquire("reuse", ttl=30)
+        lease.renew()
+        lease.release()
+    assert connection.connection is raw
+
+
+@postgresql_only
+def test_a_broken_connection_fails_the_call_and_is_replaced_by_the_next():
+    acquire("reconnect", ttl=30).release()
+    pid = connection.connection.info.backend_pid
+    raw = _raw_postgresql()
+    try:
+        raw.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        deadline = time.monotonic() + 30
+        while raw.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        raw.close()
+    with pytest.raises(DatabaseError):
+        acquire("reconnect", ttl=30, blocking=False)
+    # The failed call granted nothing, and the next call runs on a new connection.
+    lease = acquire("reconnect", ttl=30, blocking=False)
+    assert lease is not None and connection.connection.info.backend_pid != pid
+    assert Lock.objects.get(name="reconnect").owner == lease.owner
+    assert lease.release() is True
