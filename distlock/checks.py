@@ -117,3 +117,40 @@ def database_messages(
             id="distlock.W002",
         ))
     return messages
+
+
+def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """distlock.E010–E011: every concrete FencedModel says which lock guards its rows.
+
+    Caught at start-up rather than at the first fenced write, which may run in a rare
+    code path (a nightly job) long after the deploy.
+    """
+    from django.apps import apps
+
+    from distlock.fencing import FencedModel, template_problems
+
+    configs = app_configs if app_configs is not None else apps.get_app_configs()
+    messages: list[CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel):
+                continue
+            overridden = model.get_fence_name is not FencedModel.get_fence_name
+            if model.fence_name is None:
+                if not overridden:
+                    messages.append(Error(
+                        f"{model._meta.label} is a FencedModel but does not say which lock "
+                        "guards its rows.",
+                        hint='Set fence_name = "name:{pk}" (a template over field names) '
+                        "or override get_fence_name().",
+                        obj=model, id="distlock.E010",
+                    ))
+                continue
+            for problem in template_problems(model):
+                messages.append(Error(
+                    f"{model._meta.label}.fence_name is not usable: {problem}.",
+                    hint="Use plain {field} names of integer or text columns (pk works), "
+                    "or override get_fence_name() and get_fence_name_expression().",
+                    obj=model, id="distlock.E011",
+                ))
+    return messages

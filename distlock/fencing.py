@@ -1,0 +1,649 @@
+"""Fenced writes: the protected rows themselves refuse a stale lock holder.
+
+A :class:`FencedModel` row carries ``fence_token``, the highest fencing token written to
+it, and declares which lock guards it (``fence_name``, a ``str.format`` template over its
+fields, or :meth:`FencedModel.get_fence_name`). Every fenced write runs in one
+transaction on the model's database and is decided there, never by Python:
+
+1. *Ownership check* (when the lock table lives in the same database): a locking read of
+   the lock row that requires this lease's owner and token and an expiry later than the
+   database's real-time clock. It holds a shared row lock (SQLite: the IMMEDIATE write
+   lock) until the write commits, so a take-over waits for the commit, and a lease that
+   has run out can commit nothing at all.
+2. *High-water mark*: one conditional statement, ``UPDATE … SET fence_token = :token
+   WHERE … AND fence_token <= :token`` (plus the row's lock name, computed in SQL). No
+   row matched means a newer token wrote the row first.
+
+A refusal raises :class:`~distlock.exceptions.StaleToken`, rolls the write back (a
+savepoint when called inside the caller's ``atomic()``), marks the lease lost and sends
+``stale_write_refused``.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
+from django.db import connections, models, router, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import F, Q, Value
+from django.db.models.expressions import Expression
+from django.db.models.functions import Cast, Concat
+
+from distlock import db, signals
+from distlock.exceptions import StaleToken
+
+if TYPE_CHECKING:
+    from django.db.models.sql.compiler import SQLCompiler
+
+    from distlock.leases import Lease
+
+__all__ = ["FENCE_FIELD", "FencedManager", "FencedModel", "FencedQuerySet"]
+
+FENCE_FIELD = "fence_token"
+T = TypeVar("T")
+M = TypeVar("M", bound="FencedModel")
+
+# Column types whose SQL text form equals Python's str() of the value, so a lock name
+# built in SQL matches the one built by str.format.
+_INTEGER_TYPES = {
+    "AutoField", "BigAutoField", "SmallAutoField", "IntegerField", "BigIntegerField",
+    "SmallIntegerField", "PositiveIntegerField", "PositiveBigIntegerField",
+    "PositiveSmallIntegerField",
+}
+_TEXT_TYPES = {"CharField", "TextField", "SlugField"}
+
+
+class _Refused(Exception):
+    """Internal: the database refused the write (raised inside the transaction)."""
+
+    def __init__(self, by_owner_check: bool) -> None:
+        super().__init__()
+        self.by_owner_check = by_owner_check
+
+
+class _OtherLock(Exception):
+    """Internal: a row the write would touch is guarded by another lock."""
+
+
+# -- lock names ------------------------------------------------------------------------
+
+
+def parse_fence_name(template: object) -> list[tuple[str, str | None]]:
+    """Split a ``fence_name`` template into (literal text, field name or None) pairs.
+
+    Only plain named fields are allowed (``{pk}``, ``{customer_id}``): a format spec,
+    conversion, index or attribute has no faithful SQL equivalent. Raises ValueError.
+    """
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"fence_name must be a non-empty str, not {template!r}")
+    parts: list[tuple[str, str | None]] = []
+    for literal, field, spec, conversion in string.Formatter().parse(template):
+        if field is not None:
+            if not field.isidentifier():
+                raise ValueError(
+                    f"fence_name {template!r}: field {{{field}}} must be a field name "
+                    "such as {pk} or {customer_id} (no positions, indexes or attributes)"
+                )
+            if spec or conversion:
+                raise ValueError(
+                    f"fence_name {template!r}: field {{{field}}} must not have a format "
+                    "spec or conversion"
+                )
+        parts.append((literal, field))
+    return parts
+
+
+def _resolve(model: type[models.Model], name: str) -> models.Field[Any, Any]:
+    """The concrete field a template name stands for (by name or attname; pk = the pk)."""
+    opts = model._meta
+    if name == "pk":
+        assert opts.pk is not None
+        return opts.pk
+    for field in opts.concrete_fields:
+        if name in (field.name, field.attname):
+            return field
+    raise FieldDoesNotExist(f"{opts.label} has no field {name!r}")
+
+
+def _column_type(field: models.Field[Any, Any]) -> str:
+    while field.is_relation and field.target_field is not None:  # type: ignore[attr-defined]
+        field = field.target_field  # type: ignore[attr-defined]
+    return field.get_internal_type()
+
+
+def template_problems(model: type[models.Model]) -> list[str]:
+    """What is wrong with ``model.fence_name`` (empty list when it is usable, also in SQL)."""
+    try:
+        parts = parse_fence_name(model.fence_name)  # type: ignore[attr-defined]
+    except ValueError as exc:
+        return [str(exc)]
+    problems = []
+    for _, name in parts:
+        if name is None:
+            continue
+        try:
+            field = _resolve(model, name)
+        except FieldDoesNotExist as exc:
+            problems.append(str(exc))
+            continue
+        kind = _column_type(field)
+        if kind not in _INTEGER_TYPES | _TEXT_TYPES:
+            problems.append(
+                f"fence_name field {name!r} is a {kind}; only integer and text columns "
+                "can be turned into the lock name in SQL"
+            )
+    return problems
+
+
+class _SameName(Expression):
+    """``<lock name of the row> = %s``, compared byte for byte, never NULL."""
+
+    conditional = True
+    output_field = models.BooleanField()
+
+    def __init__(self, expression: Any, name: str) -> None:
+        super().__init__()
+        self.expression = expression
+        self.name = name
+
+    def get_source_expressions(self) -> list[Any]:
+        return [self.expression]
+
+    def set_source_expressions(self, exprs: list[Any]) -> None:
+        (self.expression,) = exprs
+
+    def as_sql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
+    ) -> tuple[str, list[Any]]:
+        sql, params = compiler.compile(self.expression)
+        if connection.vendor == "mysql":
+            # The default collations fold case, accents and trailing spaces.
+            return (
+                f"COALESCE(CAST({sql} AS BINARY) = CAST(%s AS BINARY), 0)",
+                [*params, self.name],
+            )
+        false = "FALSE" if connection.vendor == "postgresql" else "0"
+        return f"COALESCE(({sql}) = %s, {false})", [*params, self.name]
+
+
+def _name_condition(model: type[FencedModel], name: str, *, required: bool) -> Q | None:
+    """A WHERE condition: the row's lock name, computed in SQL, is ``name``.
+
+    None when every row has the same lock name (the caller compares it once) or, with
+    ``required=False``, when the model gives no SQL form of its lock name.
+    """
+    try:
+        expression = model.get_fence_name_expression()
+    except NotImplementedError:
+        if required:
+            raise
+        return None
+    if expression is None:
+        return None
+    return Q(_SameName(expression, name))
+
+
+def _constant_name(model: type[FencedModel]) -> str | None:
+    if model.fence_name is None:
+        return None
+    parts = parse_fence_name(model.fence_name)
+    return model.fence_name if all(field is None for _, field in parts) else None
+
+
+def _refuse_other_lock(model: type[models.Model], lease: Lease, name: str, what: str) -> None:
+    raise ValueError(
+        f"lease for lock {lease.name!r} cannot fence {what} of {model._meta.label}: "
+        f"that row is guarded by lock {name!r}"
+    )
+
+
+# -- the transaction around every fenced write -------------------------------------------
+
+
+def _check_lease(lease: object) -> Lease:
+    from distlock.leases import Lease
+
+    if not isinstance(lease, Lease):
+        raise TypeError(f"fence must be a distlock Lease, not {type(lease).__name__}")
+    return lease
+
+
+def same_database(alias: str, other: str) -> bool:
+    """True if two aliases reach the same physical database (so one transaction sees both).
+
+    Compared by ENGINE, NAME, HOST and PORT: two spellings of one server (a socket and
+    127.0.0.1) count as different, which only skips the ownership check, never wrongly
+    runs it against a database that has no lock table.
+    """
+    if alias == other:
+        return True
+    a, b = connections[alias].settings_dict, connections[other].settings_dict
+    keys = ("ENGINE", "NAME", "HOST", "PORT")
+    return all(str(a.get(key) or "") == str(b.get(key) or "") for key in keys)
+
+
+def _share_lock(connection: BaseDatabaseWrapper) -> str:
+    # FOR SHARE conflicts with the FOR UPDATE of acquire, renew, release and break, so they
+    # wait for the write to commit. SQLite's IMMEDIATE transaction holds the whole file.
+    if connection.vendor == "postgresql":
+        return " FOR SHARE"
+    if connection.vendor == "mysql":
+        return " LOCK IN SHARE MODE"
+    return ""
+
+
+def owner_check_sql(connection: BaseDatabaseWrapper) -> str:
+    """The locking read that proves, inside the writing transaction, the lease is current."""
+    return (
+        f"SELECT 1 FROM {db.TABLE} WHERE name = %s AND owner = %s AND token = %s "
+        f"AND expires_us > {db.now_sql(connection)}{_share_lock(connection)}"
+    )
+
+
+def _owner_check(connection: BaseDatabaseWrapper, lease: Lease) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(owner_check_sql(connection), [lease.name, lease.owner, lease.token])
+        if cursor.fetchone() is None:
+            raise _Refused(by_owner_check=True)
+
+
+def _current_grant(lease: Lease) -> str:
+    """A few words on who holds the lock now, for the StaleToken message."""
+    from distlock.models import Lock
+
+    row = (
+        Lock.objects.using(lease.using).filter(name=lease.name)
+        .values_list("token", "owner").first()
+    )
+    if row is None:
+        return "the lock row no longer exists"
+    token, owner = row
+    if token != lease.token:
+        return f"the lock was granted again since (current token {token})"
+    if owner != lease.owner:
+        return "the lease was released or broken"
+    return "the lease expired by the database clock"
+
+
+def _fenced(
+    model: type[FencedModel], lease: Lease, using: str, write: Callable[[], T],
+    row_token: Callable[[], int | None], what: str,
+) -> T:
+    """Run ``write()`` in a transaction on ``using`` after the ownership check.
+
+    ``write`` raises _Refused when its conditional statement matched nothing; everything
+    is rolled back, then the refusal is reported (``row_token()`` reads the row's token
+    for the message only: the decision was the database's).
+    """
+    check_owner = model.fence_check_ownership and same_database(using, lease.using)
+    try:
+        with transaction.atomic(using=using):
+            if check_owner:
+                _owner_check(connections[using], lease)
+            return write()
+    except _Refused as refused:
+        token = row_token()
+        if not refused.by_owner_check and token is not None and token <= lease.token:
+            # The token would have passed: the row's lock name (as stored) did not.
+            raise ValueError(
+                f"lease for lock {lease.name!r} cannot fence {what}: the row as stored is "
+                "guarded by another lock (moving a row to another lock's name is refused)"
+            ) from None
+        if refused.by_owner_check:
+            why = _current_grant(lease)
+        elif token is None:
+            why = "the row no longer exists"
+        else:
+            why = "a newer lease has written the row"
+        message = (
+            f"stale write to {what} refused: lease for lock {lease.name!r} has token "
+            f"{lease.token}, the row's token is {'none' if token is None else token}; {why}"
+        )
+        if refused.by_owner_check or token is not None:
+            lease._lose(f"a fenced write was refused: {why}")
+        signals.stale_write_refused.send(sender=model, lease=lease, instance_token=token)
+        raise StaleToken(message) from None
+    except _OtherLock as exc:
+        raise ValueError(str(exc)) from None
+
+
+# -- querysets ----------------------------------------------------------------------------
+
+
+class FencedQuerySet(models.QuerySet[M]):
+    """QuerySet with fenced bulk writes; plain ``update()`` stays unfenced."""
+
+    def update(self, **kwargs: Any) -> int:
+        """Plain, unfenced update. Refuses to set ``fence_token``: only fenced writes may."""
+        if FENCE_FIELD in kwargs:
+            raise ValueError(
+                f"{FENCE_FIELD} is written only by fenced writes; use fenced_update(lease, ...)"
+            )
+        return super().update(**kwargs)
+
+    def bulk_update(self, objs: Iterable[M], fields: Iterable[str], *args: Any, **kwargs: Any,
+                    ) -> int:
+        """Plain, unfenced bulk_update. Refuses ``fence_token``: only fenced writes set it."""
+        fields = list(fields)
+        if FENCE_FIELD in fields:
+            raise ValueError(f"{FENCE_FIELD} is written only by fenced writes")
+        return super().bulk_update(objs, fields, *args, **kwargs)
+
+    def _fence_target(self, lease: Lease, changes: Iterable[str]) -> Q | None:
+        model = self.model
+        local = {f.name for f in model._meta.local_concrete_fields} | {
+            f.attname for f in model._meta.local_concrete_fields
+        }
+        for name in (*changes, FENCE_FIELD):
+            if name not in local:
+                raise ValueError(
+                    f"fenced_update() writes one table: {name!r} is not a column of "
+                    f"{model._meta.db_table}"
+                )
+        query = self.query.chain()
+        query.get_initial_alias()
+        if query.count_active_tables() > 1:
+            # Django would pre-select the ids on MySQL and update them unconditionally.
+            raise ValueError(
+                "fenced_update() needs a filter on the model's own columns (no joins); "
+                "filter by pk__in=... instead"
+            )
+        constant = _constant_name(model)
+        if constant is not None:
+            if constant != lease.name:
+                _refuse_other_lock(model, lease, constant, "rows")
+            return None
+        return _name_condition(model, lease.name, required=True)
+
+    def fenced_update(self, lease: Lease, **changes: Any) -> int:
+        """Update every row of this queryset if ``lease`` may write all of them; the count.
+
+        One conditional UPDATE (``fence_token <= lease.token`` and the row's lock name)
+        sets ``fence_token`` to the lease's token, after the ownership check. All or
+        nothing: if any row holds a newer token the whole update is rolled back and
+        StaleToken is raised; if any row belongs to another lock, ValueError.
+        """
+        lease = _check_lease(lease)
+        if FENCE_FIELD in changes:
+            raise ValueError(f"fenced_update() sets {FENCE_FIELD} itself")
+        same_name = self._fence_target(lease, changes)
+
+        def write() -> int:
+            return self._claim(lease, same_name, changes)
+
+        return _fenced(self.model, lease, self.db, write, self._row_token, "rows")
+
+    def fenced_delete(self, lease: Lease) -> tuple[int, dict[str, int]]:
+        """Delete the rows of this queryset if ``lease`` may write all of them.
+
+        The rows are first claimed by a conditional ``fenced_update`` (which locks them),
+        then deleted the usual way (cascades and signals), in the same transaction.
+        """
+        lease = _check_lease(lease)
+        same_name = self._fence_target(lease, ())
+
+        def write() -> tuple[int, dict[str, int]]:
+            self._claim(lease, same_name, {})
+            return models.QuerySet.delete(self.filter(fence_token=lease.token))
+
+        return _fenced(self.model, lease, self.db, write, self._row_token, "rows")
+
+    def _claim(self, lease: Lease, same_name: Q | None, changes: dict[str, Any]) -> int:
+        """The conditional UPDATE of every row (setting ``fence_token``); its count.
+
+        Rows the UPDATE skipped still match this queryset: any of them refuses them all
+        (the caller's transaction rolls the update back).
+        """
+        token = lease.token
+        fenced = self.filter(fence_token__lte=token)
+        if same_name is not None:
+            fenced = fenced.filter(same_name)
+        count = models.QuerySet.update(fenced, **changes, fence_token=token)
+        skipped = Q(fence_token__gt=token)
+        if same_name is not None:
+            skipped |= ~same_name
+        if self.filter(skipped).exists():
+            if self.filter(fence_token__gt=token).exists():
+                raise _Refused(by_owner_check=False)
+            raise _OtherLock(
+                f"lease for lock {lease.name!r} cannot fence every row of this "
+                f"queryset: some rows of {self.model._meta.label} are guarded by "
+                "another lock"
+            )
+        return int(count)
+
+    def _row_token(self) -> int | None:
+        top = self.aggregate(top=models.Max(FENCE_FIELD))["top"]
+        return None if top is None else int(top)
+
+    def fenced_create(self, lease: Lease, **fields: Any) -> M:
+        """Create a row under ``lease`` (ownership check, ``fence_token`` = the token)."""
+        obj = self.model(**fields)
+        obj.save(fence=lease, force_insert=True, using=self.db)
+        return obj
+
+
+class FencedManager(models.Manager.from_queryset(FencedQuerySet)):  # type: ignore[misc]
+    """The default manager of fenced models: ``fenced_update``/``fenced_create`` and co."""
+
+
+# -- the model ----------------------------------------------------------------------------
+
+
+class FencedModel(models.Model):
+    """Abstract model whose rows refuse writes from stale lock holders.
+
+    Declare the lock guarding each row with ``fence_name`` (a ``str.format`` template over
+    field names, e.g. ``"account:{pk}"``) or override :meth:`get_fence_name` (and
+    :meth:`get_fence_name_expression` for bulk writes). Write with ``save(fence=lease)``,
+    ``delete(fence=lease)``, ``objects.filter(...).fenced_update(lease, ...)`` and
+    ``objects.fenced_create(lease, ...)``.
+
+    Writes without a fence are allowed (the admin, data migrations, fixtures) and never
+    change ``fence_token``, so they cannot lower the high-water mark.
+    """
+
+    fence_token = models.BigIntegerField(
+        default=0, editable=False,
+        help_text="Highest fencing token that has written this row.",
+    )
+
+    #: ``str.format`` template over field names (``pk`` works) naming the guarding lock.
+    fence_name: ClassVar[str | None] = None
+    #: Run the ownership check when the lock table shares the model's database. Turning
+    #: it off leaves only the high-water mark (see the README for what that misses).
+    fence_check_ownership: ClassVar[bool] = True
+
+    objects = FencedManager()
+
+    class Meta:
+        abstract = True
+
+    def get_fence_name(self) -> str:
+        """The name of the lock that guards this row (from ``fence_name`` by default)."""
+        cls = type(self)
+        if cls.fence_name is None:
+            raise ImproperlyConfigured(
+                f"{cls._meta.label} must set fence_name or override get_fence_name()"
+            )
+        values = {}
+        for _, name in parse_fence_name(cls.fence_name):
+            if name is not None:
+                values[name] = getattr(self, _resolve(cls, name).attname)
+        return cls.fence_name.format(**values)
+
+    @classmethod
+    def get_fence_name_expression(cls) -> Any:
+        """SQL expression of each row's lock name, or None if all rows share one name.
+
+        Used by the conditional writes, so a lease can only write rows of its own lock.
+        Built from ``fence_name``; override it together with :meth:`get_fence_name`.
+        Raises NotImplementedError when there is no template to build it from.
+        """
+        if cls.fence_name is None:
+            raise NotImplementedError(
+                f"{cls._meta.label} overrides get_fence_name() without "
+                "get_fence_name_expression(), so bulk fenced writes cannot check rows' "
+                "lock names in SQL"
+            )
+        parts: list[Any] = []
+        for literal, name in parse_fence_name(cls.fence_name):
+            if literal:
+                parts.append(Value(literal, output_field=models.TextField()))
+            if name is not None:
+                field = _resolve(cls, name)
+                if _column_type(field) in _TEXT_TYPES:
+                    parts.append(F(field.attname))
+                else:
+                    parts.append(Cast(F(field.attname), output_field=models.TextField()))
+        if all(isinstance(part, Value) for part in parts):
+            return None
+        return parts[0] if len(parts) == 1 else Concat(*parts)
+
+    def _fence_depends_on_missing_pk(self) -> bool:
+        cls = type(self)
+        if self.pk is not None or cls.fence_name is None:
+            return False
+        pk = cls._meta.pk
+        return any(
+            name is not None and _resolve(cls, name) is pk
+            for _, name in parse_fence_name(cls.fence_name)
+        )
+
+    def _check_fence_name(self, lease: Lease) -> None:
+        name = self.get_fence_name()
+        if name != lease.name:
+            _refuse_other_lock(type(self), lease, name, f"pk={self.pk!r}")
+
+    def save(self, *args: Any, fence: Lease | None = None, **kwargs: Any) -> None:
+        """Save; with ``fence=lease`` only if the database agrees the lease is current.
+
+        A new instance (or ``force_insert``) is inserted with ``fence_token`` = the
+        lease's token; otherwise one conditional UPDATE writes the row, and matching no
+        row raises StaleToken (nothing is written, the lease is marked lost). A lease of
+        another lock raises ValueError. Without ``fence`` this is Django's save, except
+        that ``fence_token`` is never written by an UPDATE.
+        """
+        if fence is None:
+            super().save(*args, **kwargs)
+            return
+        if args:
+            raise TypeError("pass save() options as keywords when using fence=")
+        lease = _check_lease(fence)
+        cls = type(self)
+        using = kwargs.get("using") or router.db_for_write(cls, instance=self)
+        kwargs["using"] = using
+        if kwargs.get("force_insert"):
+            adding = True
+        elif kwargs.get("force_update") or kwargs.get("update_fields") is not None:
+            adding = False
+        else:
+            adding = self._state.adding
+        name_after_insert = self._fence_depends_on_missing_pk()
+        if not name_after_insert:
+            self._check_fence_name(lease)
+        if adding:
+            kwargs["force_insert"] = True
+        elif kwargs.get("update_fields") is None:
+            kwargs["force_update"] = True
+        old_pk, old_token = self.pk, self.fence_token
+
+        def write() -> None:
+            if adding:
+                self.fence_token = lease.token
+            super(FencedModel, self).save(**kwargs)
+            if name_after_insert:
+                name = self.get_fence_name()
+                if name != lease.name:
+                    raise _OtherLock(
+                        f"lease for lock {lease.name!r} cannot fence the new "
+                        f"{cls._meta.label}: it is guarded by lock {name!r}"
+                    )
+
+        def row_token() -> int | None:
+            if self.pk is None:
+                return None
+            value = (
+                cls._base_manager.using(using).filter(pk=self.pk)
+                .values_list(FENCE_FIELD, flat=True).first()
+            )
+            return None if value is None else int(value)
+
+        self._distlock_fence = lease
+        try:
+            _fenced(cls, lease, using, write, row_token, f"{cls._meta.label} pk={self.pk!r}")
+        except BaseException:
+            self.fence_token = old_token
+            if adding:
+                self.pk = old_pk
+                self._state.adding = True
+            raise
+        finally:
+            del self._distlock_fence
+        self.fence_token = lease.token
+
+    def _do_update(
+        self, base_qs: models.QuerySet[Any], using: str, pk_val: Any,
+        values: list[Any], update_fields: Any, forced_update: bool, *args: Any, **kwargs: Any,
+    ) -> Any:
+        # Never write the token from the instance: it may be older than the row's.
+        values = [value for value in values if value[0].attname != FENCE_FIELD]
+        lease: Lease | None = self.__dict__.get("_distlock_fence")
+        field = self._meta.get_field(FENCE_FIELD)
+        owns_column = base_qs.model._meta.concrete_model is field.model._meta.concrete_model
+        if lease is None or not owns_column:
+            return super()._do_update(  # type: ignore[misc]
+                base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
+            )
+        base_qs = base_qs.filter(fence_token__lte=lease.token)
+        same_name = _name_condition(type(self), lease.name, required=False)
+        if same_name is not None:
+            base_qs = base_qs.filter(same_name)
+        values.append((field, None, lease.token))
+        updated = super()._do_update(  # type: ignore[misc]
+            base_qs, using, pk_val, values, update_fields, True, *args, **kwargs
+        )
+        if not updated:
+            raise _Refused(by_owner_check=False)
+        return updated
+
+    def delete(
+        self, using: str | None = None, keep_parents: bool = False, *,
+        fence: Lease | None = None,
+    ) -> tuple[int, dict[str, int]]:
+        """Delete; with ``fence=lease`` only if the database agrees the lease is current.
+
+        The row is first claimed by a conditional UPDATE of ``fence_token`` (refusals as
+        for save), then deleted the usual way, with cascades and signals, in the same
+        transaction.
+        """
+        if fence is None:
+            return super().delete(using=using, keep_parents=keep_parents)
+        lease = _check_lease(fence)
+        cls = type(self)
+        using = using or router.db_for_write(cls, instance=self)
+        if self.pk is None:
+            raise ValueError(f"{cls._meta.label} object can't be deleted: its pk is None")
+        self._check_fence_name(lease)
+        pk = self.pk
+
+        def write() -> tuple[int, dict[str, int]]:
+            rows = cls._base_manager.using(using).filter(pk=pk, fence_token__lte=lease.token)
+            same_name = _name_condition(cls, lease.name, required=False)
+            if same_name is not None:
+                rows = rows.filter(same_name)
+            if models.QuerySet.update(rows, fence_token=lease.token) == 0:
+                raise _Refused(by_owner_check=False)
+            return super(FencedModel, self).delete(using=using, keep_parents=keep_parents)
+
+        def row_token() -> int | None:
+            value = (
+                cls._base_manager.using(using).filter(pk=pk)
+                .values_list(FENCE_FIELD, flat=True).first()
+            )
+            return None if value is None else int(value)
+
+        return _fenced(cls, lease, using, write, row_token, f"{cls._meta.label} pk={pk!r}")

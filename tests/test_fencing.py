@@ -1,0 +1,624 @@
+"""Fencing at the resource: FencedModel writes are decided by the database.
+
+The process tests replay the seed's story with real OS processes and SIGSTOP: a holder
+paused past its lease wakes up still believing it holds the lock, and its write must not
+land. In-process tests cover the API edges and show the SQL that decides.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+import pytest
+from django.db import IntegrityError, connection, connections, transaction
+from django.db.models import F
+from django.test.utils import CaptureQueriesContext, isolate_apps
+
+from distlock import StaleToken, acquire, checks, signals
+from distlock.fencing import FencedModel
+from distlock.models import Lock
+from distlock.testing import hold_lock, make_stale, take_over
+from tests.factories import AccountFactory, OrderFactory
+from tests.testapp.models import (
+    Account,
+    Counter,
+    Document,
+    HighWaterAccount,
+    Ledger,
+    Order,
+)
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+TTL = 1.0
+WORKER = "tests.fencing_workers:"
+
+
+@pytest.fixture
+def refusals():
+    """Every stale_write_refused signal sent during the test."""
+    seen = []
+
+    def receiver(sender, lease, instance_token=None, **kwargs):
+        seen.append((sender, lease, instance_token))
+
+    signals.stale_write_refused.connect(receiver)
+    yield seen
+    signals.stale_write_refused.disconnect(receiver)
+
+
+def wait_until(deadline: float) -> None:
+    """Let a paused process stay paused until ``deadline`` (the scenario's pause length)."""
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.1))
+
+
+def assert_silent(child, seconds: float) -> None:
+    """The child reports nothing for ``seconds`` (it is blocked, as it should be)."""
+    try:
+        got = child.events.get(timeout=seconds)
+    except queue.Empty:
+        return
+    raise AssertionError(f"{child.role} should be waiting, but reported {got}")
+
+
+# -- the canonical story, with real processes ---------------------------------------------
+
+
+@pytest.mark.processes
+def test_paused_holder_cannot_write_after_a_newer_holder_wrote(children, refusals):
+    account = AccountFactory(note="initial")
+    a = children.start(WORKER + "writer", "testapp.Account", account.pk, TTL)
+    lease_a = a.expect("acquired")
+    a.send("check")
+    assert a.expect("checked")["remaining"] > 0  # A believes it holds the lock
+    a.signal(signal.SIGSTOP)
+    resume_at = time.monotonic() + 2 * TTL
+    b = children.start(WORKER + "writer", "testapp.Account", account.pk, TTL)
+    lease_b = b.expect("acquired")
+    assert lease_b["token"] == lease_a["token"] + 1
+    assert lease_b["acquired_us"] >= lease_a["expires_us"]
+    b.send("write", note="B")
+    b.expect("wrote")
+    wait_until(resume_at)
+    a.signal(signal.SIGCONT)
+    a.send("write", note="A")
+    refused = a.expect("refused")
+    assert f"'account:{account.pk}'" in refused["message"]
+    assert f"has token {lease_a['token']}" in refused["message"]
+    assert f"row's token is {lease_b['token']}" in refused["message"]
+    assert refused["lost"] is True
+    a.send("release")
+    assert a.expect("released")["held"] is False
+    account.refresh_from_db()
+    assert (account.note, account.balance, account.fence_token) == ("B", 1, lease_b["token"])
+    row = Lock.objects.get(name=f"account:{account.pk}")
+    assert (row.owner, row.token) == (lease_b["owner"], lease_b["token"])
+    assert not row.is_free
+    assert refusals == []  # the refusal was in the child; this process saw none
+    for child in (a, b):
+        child.send("exit")
+        assert child.finish() == 0
+
+
+@pytest.mark.processes
+def test_paused_holder_is_refused_even_if_the_new_holder_wrote_nothing(children):
+    account = AccountFactory(note="initial")
+    a = children.start(WORKER + "writer", "testapp.Account", account.pk, TTL)
+    lease_a = a.expect("acquired")
+    a.send("check")
+    a.expect("checked")
+    a.signal(signal.SIGSTOP)
+    resume_at = time.monotonic() + 2 * TTL
+    b = children.start(WORKER + "writer", "testapp.Account", account.pk, TTL * 30)
+    lease_b = b.expect("acquired")
+    wait_until(resume_at)
+    a.signal(signal.SIGCONT)
+    a.send("write", note="A")
+    refused = a.expect("refused")
+    # The row was never written by B: only the ownership check can refuse A.
+    assert f"has token {lease_a['token']}" in refused["message"]
+    assert "row's token is 0" in refused["message"]
+    assert f"current token {lease_b['token']}" in refused["message"]
+    account.refresh_from_db()
+    assert (account.note, account.balance, account.fence_token) == ("initial", 0, 0)
+    row = Lock.objects.get(name=f"account:{account.pk}")
+    assert (row.owner, row.token) == (lease_b["owner"], lease_b["token"])
+    for child in (a, b):
+        child.send("exit")
+        assert child.finish() == 0
+
+
+@pytest.mark.processes
+def test_high_water_mark_alone_lets_that_stale_write_through(children):
+    """The documented gap of the high-water mark without the ownership check.
+
+    HighWaterAccount sets fence_check_ownership = False. B holds the lock but has not
+    written the row yet, so the row's token is still below A's: A's late write lands.
+    Once B writes, A is refused (the high-water mark does stop that).
+    """
+    account = HighWaterAccount.objects.create(note="initial")
+    a = children.start(WORKER + "writer", "testapp.HighWaterAccount", account.pk, TTL)
+    lease_a = a.expect("acquired")
+    a.signal(signal.SIGSTOP)
+    resume_at = time.monotonic() + 2 * TTL
+    b = children.start(WORKER + "writer", "testapp.HighWaterAccount", account.pk, TTL * 30)
+    lease_b = b.expect("acquired")
+    wait_until(resume_at)
+    a.signal(signal.SIGCONT)
+    a.send("write", note="A late")
+    a.expect("wrote")  # accepted: this is the gap
+    account.refresh_from_db()
+    assert (account.note, account.fence_token) == ("A late", lease_a["token"])
+    b.send("write", note="B")
+    b.expect("wrote")
+    a.send("write", note="A again")
+    refused = a.expect("refused")
+    assert f"row's token is {lease_b['token']}" in refused["message"]
+    account.refresh_from_db()
+    assert (account.note, account.fence_token) == ("B", lease_b["token"])
+    for child in (a, b):
+        child.send("exit")
+        assert child.finish() == 0
+
+
+@pytest.mark.processes
+def test_take_over_waits_for_a_paused_writers_commit(children):
+    """A is stopped after its ownership check, before its commit, past its lease.
+
+    The check's shared lock on the lock row (SQLite: the write lock) makes B's acquire
+    wait, so B's grant comes after A's commit and A's write stands.
+    """
+    account = AccountFactory(note="initial")
+    a = children.start(WORKER + "commit_later", "testapp.Account", account.pk, TTL, "A")
+    lease_a = a.expect("acquired")
+    a.send("write")
+    written = a.expect("written")
+    a.signal(signal.SIGSTOP)
+    resume_at = time.monotonic() + 2 * TTL
+    b = children.start(WORKER + "writer", "testapp.Account", account.pk, TTL * 30)
+    # B blocks for the whole pause, although A's lease ran out half-way through it.
+    assert_silent(b, 2 * TTL)
+    wait_until(resume_at)
+    assert Lock.objects.get(name=f"account:{account.pk}").owner == lease_a["owner"]
+    a.signal(signal.SIGCONT)
+    a.send("commit")
+    a.expect("committed")
+    lease_b = b.expect("acquired")
+    assert lease_b["token"] == lease_a["token"] + 1
+    assert lease_b["acquired_us"] > written["last_us"]
+    assert lease_b["acquired_us"] > lease_a["expires_us"]
+    account.refresh_from_db()
+    assert (account.note, account.fence_token) == ("A", lease_a["token"])
+    b.send("write", note="B")
+    b.expect("wrote")
+    account.refresh_from_db()
+    assert (account.note, account.fence_token) == ("B", lease_b["token"])
+    assert a.finish() == 0
+    b.send("exit")
+    assert b.finish() == 0
+
+
+# 8 processes × 100 increments keeps the whole file near 40 s per backend on a shared
+# 2-core machine (each of the 16 pauses also blocks the lock for a ttl).
+# DISTLOCK_TEST_FENCE_INCREMENTS=200 runs the issue's full 8 × 200: measured 18 s
+# (SQLite), 32 s (PostgreSQL), 23 s (MariaDB) for this test alone.
+PROCESSES, PAUSES, STRESS_TTL = 8, 2, 0.4
+INCREMENTS = int(os.environ.get("DISTLOCK_TEST_FENCE_INCREMENTS", "100"))
+
+
+@pytest.mark.processes
+def test_no_lost_update_under_contention_and_pauses(children):
+    Counter.objects.create(key="c")
+    workers = [
+        children.start(
+            WORKER + "incrementer", "c", INCREMENTS, STRESS_TTL, PAUSES, 1000 + number
+        )
+        for number in range(PROCESSES)
+    ]
+    for worker in workers:
+        worker.expect("ready", timeout=60)
+    for worker in workers:
+        worker.send("go")
+    results = [worker.expect("done", timeout=240) for worker in workers]
+    acked = sorted(value for result in results for value in result["acked"])
+    refused = sum(result["refused"] for result in results)
+    counter = Counter.objects.get(key="c")
+    # Every acknowledged write is in the row, once: the values written are exactly 1..N.
+    assert counter.value == len(acked)
+    assert acked == list(range(1, len(acked) + 1))
+    # Each pause outlived its lease, so each of those writes was refused (not vacuous).
+    assert refused >= PROCESSES * PAUSES
+    assert len(acked) + refused == PROCESSES * INCREMENTS
+    assert len(acked) >= PROCESSES * INCREMENTS // 4  # the lock did its job most of the time
+    assert counter.fence_token == max(t for result in results for t in result["tokens"])
+    for worker in workers:
+        assert worker.finish() == 0
+
+
+# -- the API, in one process ---------------------------------------------------------------
+
+
+def test_fenced_save_writes_and_records_the_token():
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    account.balance = 10
+    account.save(fence=lease)
+    assert account.fence_token == lease.token
+    account.refresh_from_db()
+    assert (account.balance, account.fence_token) == (10, lease.token)
+
+
+def test_equal_token_is_allowed_for_several_writes():
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    for balance in (1, 2, 3):
+        account.balance = balance
+        account.save(fence=lease)
+    assert Account.objects.filter(pk=account.pk).fenced_update(lease, note="x") == 1
+    account.refresh_from_db()
+    assert (account.balance, account.note, account.fence_token) == (3, "x", lease.token)
+    assert not lease.lost
+
+
+def test_stale_lease_is_refused_and_nothing_is_written(refusals):
+    account = AccountFactory(balance=5)
+    old = acquire(f"account:{account.pk}", ttl=30)
+    new = take_over(old)
+    Account.objects.filter(pk=account.pk).fenced_update(new, balance=F("balance") + 1)
+    account.balance = 100
+    with pytest.raises(StaleToken, match=rf"'account:{account.pk}'.*token {old.token}"):
+        account.save(fence=old)
+    assert account.fence_token == 0  # the instance is left as it was
+    row = Account.objects.get(pk=account.pk)
+    assert (row.balance, row.fence_token) == (6, new.token)
+    assert old.lost
+    assert refusals == [(Account, old, new.token)]
+    with pytest.raises(StaleToken):
+        Account.objects.filter(pk=account.pk).fenced_update(old, balance=0)
+    with pytest.raises(StaleToken):
+        row.delete(fence=old)
+    assert Account.objects.get(pk=account.pk).balance == 6
+
+
+def test_refusal_is_recorded_in_the_audit_history(settings):
+    from distlock.models import LockEvent
+
+    settings.DISTLOCK_AUDIT = True
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    make_stale(lease)
+    with pytest.raises(StaleToken):
+        account.save(fence=lease)
+    kinds = set(
+        LockEvent.objects.filter(name=f"account:{account.pk}", token=lease.token)
+        .values_list("kind", flat=True)
+    )
+    assert {"stale_write", "lost"} <= kinds
+
+
+def test_ownership_check_refuses_an_expired_lease_on_an_untouched_row():
+    account = AccountFactory(note="initial")
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    make_stale(lease)  # nobody has taken the lock over; the row is untouched
+    account.note = "late"
+    with pytest.raises(StaleToken, match="expired by the database clock"):
+        account.save(fence=lease)
+    assert Account.objects.get(pk=account.pk).note == "initial"
+    orders = acquire("customer:5", ttl=30)
+    make_stale(orders)
+    with pytest.raises(StaleToken, match="row's token is none"):
+        Order.objects.fenced_create(orders, customer_id=5)
+    assert not Order.objects.exists()
+
+
+def test_released_or_broken_lease_is_refused():
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    lease.release()
+    with pytest.raises(StaleToken, match="released or broken"):
+        account.save(fence=lease)
+
+
+def test_lease_of_another_lock_is_refused_with_value_error():
+    first, second = AccountFactory(), AccountFactory()
+    lease = acquire(f"account:{second.pk}", ttl=30)
+    first.balance = 99
+    with pytest.raises(ValueError, match=f"guarded by lock 'account:{first.pk}'"):
+        first.save(fence=lease)
+    with pytest.raises(ValueError):
+        first.delete(fence=lease)
+    with pytest.raises(ValueError):
+        Account.objects.filter(pk=first.pk).fenced_update(lease, balance=99)
+    with pytest.raises(ValueError):
+        Ledger.objects.fenced_create(lease, entry="x")
+    assert Account.objects.get(pk=first.pk).balance == 0
+    assert not lease.lost  # a programming error, not a stale lease
+
+
+def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
+    OrderFactory.create_batch(3, customer_id=7)
+    OrderFactory.create_batch(2, customer_id=8)
+    lease = acquire("customer:7", ttl=30)
+    orders = Order.objects.filter(customer_id=7)
+    assert orders.fenced_update(lease, status="paid", amount=F("amount") + 5) == 3
+    assert Order.objects.filter(customer_id=77).fenced_update(lease, status="x") == 0
+    assert list(orders.values_list("status", "fence_token").distinct()) == [
+        ("paid", lease.token)
+    ]
+    # Rows of another customer in the queryset: refused, none written.
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        Order.objects.all().fenced_update(lease, status="shipped")
+    assert not Order.objects.filter(status="shipped").exists()
+    # One row carries a newer token (as if a later grant wrote it): refused, none written.
+    newest = orders.first()
+    Order.objects.filter(pk=newest.pk).update(amount=1)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {Order._meta.db_table} SET fence_token = %s WHERE id = %s",
+            [lease.token + 1, newest.pk],
+        )
+    with pytest.raises(StaleToken, match=rf"row's token is {lease.token + 1}"):
+        orders.fenced_update(lease, status="shipped")
+    assert not Order.objects.filter(status="shipped").exists()
+
+
+def test_bulk_fenced_update_refuses_joins_and_the_token_column():
+    lease = acquire("customer:1", ttl=30)
+    with pytest.raises(ValueError, match="sets fence_token itself"):
+        Order.objects.filter(customer_id=1).fenced_update(lease, fence_token=1)
+    with pytest.raises(ValueError, match="fence_token is written only"):
+        Order.objects.filter(customer_id=1).update(fence_token=1)
+    with pytest.raises(TypeError, match="Lease"):
+        Order.objects.filter(customer_id=1).fenced_update("customer:1", status="x")
+
+
+def test_fenced_delete_and_fenced_create():
+    lease = acquire("account:4242", ttl=30)
+    created = Account.objects.fenced_create(lease, pk=4242, balance=3)
+    assert created.fence_token == lease.token
+    assert Account.objects.get(pk=4242).fence_token == lease.token
+    created.delete(fence=lease)
+    assert not Account.objects.filter(pk=4242).exists()
+    ledger = acquire("ledger", ttl=30)
+    Ledger.objects.fenced_create(ledger, entry="a")
+    Ledger.objects.fenced_create(ledger, entry="b")
+    assert Ledger.objects.fenced_update(ledger, entry="c") == 2
+    count, _ = Ledger.objects.filter(entry="c").fenced_delete(ledger)
+    assert count == 2
+
+
+def test_new_row_whose_name_needs_its_pk_is_checked_after_insert():
+    # "account:{pk}" with an automatic pk: the name is known only after the INSERT.
+    lease = acquire("account:not-a-number", ttl=30)
+    account = Account(balance=1)
+    with pytest.raises(ValueError, match="guarded by lock 'account:"):
+        account.save(fence=lease)
+    assert account.pk is None and account._state.adding
+    assert not Account.objects.exists()
+
+
+def test_lock_name_from_a_method_with_its_sql_form():
+    document = Document.objects.create(folder="Reports")
+    lease = acquire("folder/reports", ttl=30)
+    assert Document.objects.filter(folder="Reports").fenced_update(lease, title="t") == 1
+    document.refresh_from_db()
+    document.title = "u"
+    document.save(fence=lease)
+    document.delete(fence=lease)
+    assert not Document.objects.exists()
+
+
+def test_fenced_write_joins_the_callers_transaction():
+    account, other = AccountFactory(), AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    stale = acquire(f"account:{other.pk}", ttl=30)
+    make_stale(stale)
+    with transaction.atomic():
+        account.balance = 7
+        account.save(fence=lease)
+        other.note = "late"
+        with pytest.raises(StaleToken):
+            other.save(fence=stale)  # rolled back to its savepoint; the block goes on
+        Account.objects.filter(pk=account.pk).fenced_update(lease, note="in atomic")
+    account.refresh_from_db()
+    assert (account.balance, account.note) == (7, "in atomic")
+    assert Account.objects.get(pk=other.pk).note == ""
+    with pytest.raises(ZeroDivisionError), transaction.atomic():
+        account.balance = 8
+        account.save(fence=lease)
+        1 / 0  # noqa: B018 - the caller's rollback takes the fenced write with it
+    assert Account.objects.get(pk=account.pk).balance == 7
+
+
+def test_plain_writes_are_allowed_and_never_lower_the_token():
+    account = AccountFactory()
+    before = Account.objects.get(pk=account.pk)  # fence_token 0 in memory
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    account.save(fence=lease)
+    before.note = "admin edit"
+    before.save()  # no fence: allowed (admin, shell, data migrations)
+    row = Account.objects.get(pk=account.pk)
+    assert (row.note, row.fence_token) == ("admin edit", lease.token)
+    assert Account.objects.filter(pk=account.pk).update(balance=3) == 1
+    with pytest.raises(ValueError, match="fence_token is written only"):
+        Account.objects.bulk_update([row], ["fence_token"])
+    row.delete()
+    assert not Account.objects.filter(pk=account.pk).exists()
+
+
+def test_moving_a_row_to_another_locks_name_is_refused():
+    order = OrderFactory(customer_id=1)
+    lease = acquire("customer:2", ttl=30)
+    order.customer_id = 2  # the instance now names lock customer:2, the stored row customer:1
+    with pytest.raises(ValueError, match="as stored is guarded by another lock"):
+        order.save(fence=lease)
+    assert Order.objects.get(pk=order.pk).customer_id == 1
+    assert not lease.lost
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "locks"])
+def test_lock_on_another_alias_of_the_same_database_is_still_checked(settings):
+    settings.DISTLOCK_DATABASE = "locks"
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    assert lease.using == "locks"
+    account.save(fence=lease)
+    make_stale(lease)
+    with pytest.raises(StaleToken, match="expired"):
+        account.save(fence=lease)
+    connections["locks"].close()
+
+
+def _statements(captured) -> list[str]:
+    return [
+        q["sql"] for q in captured
+        if not q["sql"].upper().startswith(("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE"))
+    ]
+
+
+def test_captured_sql_is_a_locking_check_then_one_conditional_write():
+    """No read of the data row decides anything: the UPDATE's WHERE does."""
+    account = AccountFactory()
+    pk = account.pk
+    lease = acquire(f"account:{pk}", ttl=30)
+    vendor = connection.vendor
+    share = {"postgresql": "FOR SHARE", "mysql": "LOCK IN SHARE MODE", "sqlite": ""}[vendor]
+    clock = {"postgresql": "clock_timestamp()", "mysql": "SYSDATE(6)", "sqlite": "julianday"}
+    table = Account._meta.db_table
+    writes = {
+        "save": lambda: account.save(fence=lease),
+        "fenced_update": lambda: Account.objects.filter(pk=pk).fenced_update(
+            lease, balance=F("balance") + 1
+        ),
+        "delete": lambda: account.delete(fence=lease),
+        "create": lambda: Account.objects.fenced_create(lease, pk=pk),
+    }
+    for what, write in writes.items():
+        with CaptureQueriesContext(connection) as captured:
+            write()
+        check, update, *rest = _statements(captured)
+        assert "distlock_lock" in check and check.rstrip().endswith(share), what
+        assert clock[vendor] in check and "expires_us >" in check, what
+        assert lease.owner in check and f"token = {lease.token}" in check, what
+        if what == "create":
+            assert update.startswith("INSERT") and table in update, what
+            continue
+        assert update.startswith("UPDATE") and table in update, what
+        where = update.split("WHERE", 1)[1]
+        assert "fence_token" in where and f"<= {lease.token}" in where, what
+        assert f"= {lease.token}" in update.split("WHERE", 1)[0], what  # SET fence_token
+
+
+@pytest.mark.skipif(
+    "connection.vendor != 'postgresql'", reason="the trigger is PostgreSQL-only"
+)
+def test_postgresql_trigger_refuses_lowering_the_token_by_raw_sql():
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    account.save(fence=lease)
+    with pytest.raises(IntegrityError, match="would lower"), connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {Account._meta.db_table} SET fence_token = 0 WHERE id = %s", [account.pk]
+        )
+    assert Account.objects.get(pk=account.pk).fence_token == lease.token
+
+
+@pytest.mark.skipif(
+    "connection.vendor != 'postgresql'", reason="the trigger is PostgreSQL-only"
+)
+def test_postgresql_trigger_operation_runs_backwards_and_forwards():
+    from django.db.migrations.loader import MigrationLoader
+
+    from distlock.operations import RefuseLowerFenceToken
+
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    account.save(fence=lease)
+    state = MigrationLoader(connection).project_state(("testapp", "0002_fence_triggers"))
+    operation = RefuseLowerFenceToken("Account")
+    lower = f"UPDATE {Account._meta.db_table} SET fence_token = 0 WHERE id = %s"
+    try:
+        with connection.schema_editor() as editor:
+            operation.database_backwards("testapp", editor, state, state)
+        with connection.cursor() as cursor:
+            cursor.execute(lower, [account.pk])  # no trigger: raw SQL may lower it
+    finally:
+        with connection.schema_editor() as editor:
+            operation.database_forwards("testapp", editor, state, state)
+    assert Account.objects.get(pk=account.pk).fence_token == 0
+    with pytest.raises(IntegrityError), connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {Account._meta.db_table} SET fence_token = -1 WHERE id = %s", [account.pk]
+        )
+    assert operation.deconstruct() == (
+        "distlock.operations.RefuseLowerFenceToken", ["Account"], {}
+    )
+
+
+# -- testing helpers and checks -------------------------------------------------------------
+
+
+def test_hold_lock_makes_the_lock_busy_for_the_code_under_test():
+    with hold_lock("report:1", ttl=30) as other:
+        assert acquire("report:1", ttl=30, blocking=False) is None
+        assert Lock.objects.get(name="report:1").owner == other.owner
+    assert Lock.objects.get(name="report:1").is_free
+    with (
+        hold_lock("report:1"),
+        pytest.raises(RuntimeError, match="already held"),
+        hold_lock("report:1"),
+    ):
+        pass
+
+
+def test_make_stale_refuses_a_lease_that_is_not_current():
+    lease = acquire("s", ttl=30)
+    newer = take_over(lease)
+    assert newer.token == lease.token + 1
+    with pytest.raises(ValueError, match="not the current grant"):
+        make_stale(lease)
+    assert Lock.objects.get(name="s").owner == newer.owner
+
+
+def test_check_reports_models_without_a_usable_fence_name():
+    with isolate_apps("tests.testapp") as registry:
+
+        class NoName(FencedModel):
+            class Meta:
+                app_label = "testapp"
+
+        class BadField(FencedModel):
+            fence_name = "x:{missing}"
+
+            class Meta:
+                app_label = "testapp"
+
+        class BadSpec(FencedModel):
+            fence_name = "x:{pk:05d}"
+
+            class Meta:
+                app_label = "testapp"
+
+        class Good(FencedModel):
+            fence_name = "x:{pk}"
+
+            class Meta:
+                app_label = "testapp"
+
+        found = checks.check_fenced_models(registry.get_app_configs())
+    assert sorted((m.obj.__name__, m.id) for m in found) == [
+        ("BadField", "distlock.E011"), ("BadSpec", "distlock.E011"),
+        ("NoName", "distlock.E010"),
+    ]
+    assert checks.check_fenced_models() == []
+    assert checks.check_fenced_models in registry_checks()
+
+
+def registry_checks():
+    from django.core.checks.registry import registry
+
+    return registry.get_checks()

@@ -1,0 +1,15 @@
+from django.db import migrations
+
+from distlock.operations import RefuseLowerFenceToken
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ("testapp", "0001_initial"),
+    ]
+
+    operations = [
+        RefuseLowerFenceToken("Account"),
+        RefuseLowerFenceToken("Order"),
+    ]
