@@ -14,3 +14,9 @@ class DistlockConfig(AppConfig):
 
         checks.register(distlock_checks.check_settings)
         checks.register(distlock_checks.check_database, checks.Tags.database)
+        checks.register(distlock_checks.check_fenced_models, checks.Tags.models)
+
+        from distlock import audit
+
+        audit.connect()
+        checks.register(audit.check_audit_settings)

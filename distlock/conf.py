@@ -28,6 +28,9 @@ DEFAULTS: dict[str, Any] = {
     "DISTLOCK_RENEW_FRACTION": 1 / 3,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,
+    # Audit events older than this many seconds (or timedelta) are deleted by
+    # `manage.py distlock_purge`; None keeps them forever.
+    "DISTLOCK_AUDIT_RETENTION": 30 * 24 * 3600.0,
 }
 
 

@@ -94,9 +94,10 @@ class Lease:
             if isinstance(result, str):
                 self._lose(result)
                 raise LockLost(self.name, self.token, result)
-            self._deadline = started + seconds
+            self._deadline = started + seconds - db.clock_resolution(connections[self.using])
             self.ttl = seconds
             self.expires_at = from_us(result.expires_us)
+        signals.lock_renewed.send(sender=Lease, lease=self)
 
     def release(self) -> bool:
         """Free the lock. True if this lease still held it; never frees another's grant.
@@ -108,8 +109,9 @@ class Lease:
         with self._mutex:
             if self._released:
                 return False
-            self._released = True
             held, released_us = db.run(self.using, db.release, self.name, self.owner, self.token)
+            # Only now: a release that failed (database down) may be tried again.
+            self._released = True
         self.released_at = from_us(released_us)
         signals.lock_released.send(sender=Lease, lease=self, held=held)
         return held

@@ -16,7 +16,9 @@ from collections.abc import Callable
 from contextlib import ContextDecorator
 from datetime import timedelta
 from types import TracebackType
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
+
+from django.db import connections
 
 from distlock import db, signals
 from distlock.conf import conf
@@ -74,7 +76,7 @@ def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> db
 def _pause(attempt: int, busy: db.Busy, left: float | None) -> float:
     """Jittered exponential back-off, never past the deadline or the holder's expiry."""
     base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
-    pause = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
+    pause: float = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
     # Wake just after the holder's lease ends: it is free then even if never released.
     pause = min(pause, busy.remaining_us / 1e6 + 0.001)
     if left is not None:
@@ -135,7 +137,8 @@ def acquire(
     lease = Lease(
         name, owner, result.token, using=alias, ttl=seconds,
         expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
-        holder=description, deadline=started + seconds,
+        holder=description,
+        deadline=started + seconds - db.clock_resolution(connections[alias]),
     )
     signals.lock_acquired.send(sender=Lease, lease=lease, took_over=result.took_over)
     if auto_renew:
@@ -171,8 +174,9 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
         check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
         if using is not None:
             check_using(using)
-        self._options = {
-            "name": name, "ttl": ttl, "timeout": timeout, "using": using,
+        self.name = name
+        self._options: dict[str, Any] = {
+            "ttl": ttl, "timeout": timeout, "using": using,
             "holder": holder, "auto_renew": auto_renew, "on_lost": on_lost,
         }
         self.lease: Lease | None = None
@@ -180,15 +184,14 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
 
     def _recreate_cm(self) -> lock:
         # A decorated function may run in several threads at once: one lock object each.
-        return type(self)(**self._options)
+        return type(self)(self.name, **self._options)
 
     def __enter__(self) -> Lease:
-        options = dict(self._options)
-        timeout = options.pop("timeout")
-        lease = acquire(options.pop("name"), timeout=timeout, **options)
+        lease = acquire(self.name, **self._options)
         if lease is None:
+            timeout = self._options["timeout"]
             wait = check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
-            raise LockTimeout(self._options["name"], wait)
+            raise LockTimeout(self.name, wait)
         self.lease = lease
         self._token = _current.set((*_current.get(), lease))
         return lease

@@ -89,3 +89,48 @@ class Lock(models.Model):
     @property
     def is_free(self) -> bool:
         return not self.owner
+
+
+class LockEvent(models.Model):
+    """One entry of the audit history (recorded when ``DISTLOCK_AUDIT`` is on).
+
+    ``at_us`` is the database clock, like the lock table's times, so events line up with
+    the grants and expiries they describe even when app servers' clocks disagree.
+    """
+
+    class Kind(models.TextChoices):
+        ACQUIRED = "acquired", "acquired"
+        TOOK_OVER = "took_over", "expired take-over"
+        RENEWED = "renewed", "renewed"
+        RELEASED = "released", "released"
+        BROKEN = "broken", "broken"
+        LOST = "lost", "lost"
+        STALE_WRITE = "stale_write", "stale write refused"
+
+    at_us = models.BigIntegerField(db_index=True, editable=False)
+    kind = models.CharField(max_length=16, choices=Kind.choices, editable=False)
+    name = LockNameField(max_length=MAX_NAME_LENGTH, db_index=True, editable=False)
+    token = models.BigIntegerField(null=True, editable=False)
+    owner = models.CharField(max_length=32, blank=True, default="", editable=False)
+    holder = models.CharField(max_length=255, blank=True, default="", editable=False)
+    by = models.CharField(
+        max_length=255, blank=True, default="", editable=False,
+        help_text="Who broke the lock (user name or command), for broken locks.",
+    )
+    detail = models.CharField(max_length=500, blank=True, default="", editable=False)
+
+    class Meta:
+        db_table = "distlock_lockevent"
+        ordering = ["-at_us", "-id"]
+        verbose_name = "lock event"
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.kind} (token {self.token})"
+
+    @property
+    def at(self) -> datetime | None:
+        return from_us(self.at_us)
+
+
+# The abstract fenced model lives beside its querysets; it is importable from here too.
+from distlock.fencing import FencedModel as FencedModel  # noqa: E402

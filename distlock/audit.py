@@ -1,0 +1,177 @@
+"""The audit history: one LockEvent row per grant, renewal, release, break, loss and
+refused stale write, recorded from distlock's signals while ``DISTLOCK_AUDIT`` is on.
+
+The receivers are always connected (in ``DistlockConfig.ready``) and read the setting
+each time, so ``override_settings`` and a settings change both work without reconnecting.
+
+Recording must never break locking: the signals are sent after the lock change has
+committed, so a failed audit insert cannot undo it, and raising from a receiver would hand
+the caller an exception for a lock it actually holds. A failed insert is logged instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+from django.core.checks import CheckMessage, Error
+from django.db import DatabaseError, transaction
+
+from distlock import signals
+from distlock.conf import conf
+from distlock.status import database_now
+from distlock.validation import check_seconds, check_using
+
+logger = logging.getLogger("distlock.audit")
+
+# dispatch_uid keeps a second ready() (tests that reload apps) from connecting twice.
+_UID = "distlock.audit."
+
+
+def record(
+    kind: str, *, name: str, using: str, token: int | None = None, owner: str = "",
+    holder: str = "", by: str = "", detail: str = "",
+) -> bool:
+    """Insert one LockEvent on database ``using`` if audit is on; True if it was written.
+
+    The event time is the database clock, read by the INSERT itself.
+    """
+    if not conf.AUDIT:
+        return False
+    from distlock.models import LockEvent
+
+    try:
+        # A savepoint if the caller is inside atomic(): a failed insert must not poison
+        # the caller's transaction.
+        with transaction.atomic(using=using):
+            LockEvent.objects.using(using).create(
+                at_us=database_now(using), kind=kind, name=name, token=token,
+                owner=owner, holder=holder[:255], by=by[:255], detail=detail[:500],
+            )
+    except DatabaseError:
+        logger.exception("distlock audit: could not record %s of lock %r", kind, name)
+        return False
+    return True
+
+
+def _acquired(sender: Any, lease: Any, took_over: str = "", **kwargs: Any) -> None:
+    from distlock.models import LockEvent
+
+    if took_over:
+        kind, detail = LockEvent.Kind.TOOK_OVER, f"took over the expired lease of {took_over}"
+    else:
+        kind, detail = LockEvent.Kind.ACQUIRED, ""
+    record(
+        kind, name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
+        holder=lease.holder, detail=detail,
+    )
+
+
+def _renewed(sender: Any, lease: Any, **kwargs: Any) -> None:
+    record(
+        "renewed", name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
+        holder=lease.holder, detail=f"expires {lease.expires_at.isoformat()}"
+        if lease.expires_at else "",
+    )
+
+
+def _released(sender: Any, lease: Any, held: bool = True, **kwargs: Any) -> None:
+    if lease.released_at is None:
+        # The release changed nothing: the grant had been taken over or broken, which
+        # the history already shows.
+        return
+    record(
+        "released", name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
+        holder=lease.holder, detail="" if held else "the lease had already expired",
+    )
+
+
+def _broken(
+    sender: Any, name: str, owner: str, token: int, holder: str, using: str, by: str = "",
+    **kwargs: Any,
+) -> None:
+    record("broken", name=name, using=using, token=token, owner=owner, holder=holder, by=by)
+
+
+def _lost(sender: Any, lease: Any, reason: str = "", **kwargs: Any) -> None:
+    record(
+        "lost", name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
+        holder=lease.holder, detail=reason,
+    )
+
+
+def _stale_write(
+    sender: Any, lease: Any, instance_token: int | None = None, **kwargs: Any
+) -> None:
+    model = getattr(getattr(sender, "_meta", None), "label", None) or repr(sender)
+    row = "unknown" if instance_token is None else str(instance_token)
+    record(
+        "stale_write", name=lease.name, using=lease.using, token=lease.token,
+        owner=lease.owner, holder=lease.holder,
+        detail=f"{model}: write with token {lease.token} refused (row token {row})",
+    )
+
+
+def connect() -> None:
+    """Connect the audit receivers to distlock's signals (idempotent)."""
+    signals.lock_acquired.connect(_acquired, dispatch_uid=_UID + "acquired")
+    signals.lock_renewed.connect(_renewed, dispatch_uid=_UID + "renewed")
+    signals.lock_released.connect(_released, dispatch_uid=_UID + "released")
+    signals.lock_broken.connect(_broken, dispatch_uid=_UID + "broken")
+    signals.lock_lost.connect(_lost, dispatch_uid=_UID + "lost")
+    signals.stale_write_refused.connect(_stale_write, dispatch_uid=_UID + "stale_write")
+
+
+def retention() -> float | None:
+    """``DISTLOCK_AUDIT_RETENTION`` in seconds (None: keep events forever)."""
+    value = conf.AUDIT_RETENTION
+    if value is None:
+        return None
+    seconds = check_seconds(value, "DISTLOCK_AUDIT_RETENTION")
+    if seconds <= 0:
+        raise ValueError(f"DISTLOCK_AUDIT_RETENTION must be positive, not {seconds}")
+    return seconds
+
+
+def purge_events(
+    *, older_than: float | int | timedelta | None = None, using: str | None = None
+) -> int:
+    """Delete audit events older than ``older_than`` (default: the retention setting).
+
+    Age is measured by the database clock, as the events' times are. Returns how many
+    rows were deleted; 0 when retention is None and no ``older_than`` is given.
+    Raises TypeError/ValueError for a bad age (nothing is deleted).
+    """
+    from distlock.models import LockEvent
+
+    if older_than is None:
+        seconds = retention()
+        if seconds is None:
+            return 0
+    else:
+        seconds = check_seconds(older_than, "older_than")
+        if seconds < 0:
+            raise ValueError(f"older_than must not be negative, not {seconds}")
+    alias = check_using(using)
+    cutoff = database_now(alias) - round(seconds * 1e6)
+    deleted, _ = LockEvent.objects.using(alias).filter(at_us__lt=cutoff).delete()
+    return deleted
+
+
+def check_audit_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """distlock.E020: DISTLOCK_AUDIT must be a bool; E021: retention must be valid."""
+    errors: list[CheckMessage] = []
+    if not isinstance(conf.AUDIT, bool):
+        errors.append(Error(
+            f"DISTLOCK_AUDIT must be True or False, not {conf.AUDIT!r}.", id="distlock.E020",
+        ))
+    try:
+        retention()
+    except (TypeError, ValueError) as exc:
+        errors.append(Error(
+            f"DISTLOCK_AUDIT_RETENTION is invalid: {exc}.",
+            hint="Use a positive number of seconds, a timedelta, or None to keep events.",
+            id="distlock.E021",
+        ))
+    return errors

@@ -1,0 +1,61 @@
+"""manage.py distlock_break NAME: free a lock whoever holds it, through the public API."""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from distlock.locks import break_lock
+from distlock.management.commands._common import lock_alias
+from distlock.models import Lock
+from distlock.validation import check_name
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no $USER, e.g. in some containers
+        user = "?"
+    return f"manage.py distlock_break ({user}@{socket.gethostname()})"
+
+
+class Command(BaseCommand):
+    help = (
+        "Break lock NAME: free it now, so the next grant gets a higher token and the "
+        "holder's renew, release and fenced writes fail. With --owner/--token only that "
+        "grant is broken. Exits non-zero when nothing was broken."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("name", help="The lock name, exactly.")
+        parser.add_argument("--owner", help="Break only if this owner (32 hex) holds it.")
+        parser.add_argument("--token", type=int, help="Break only if this is its token.")
+        parser.add_argument("--database", help="Lock database alias (default: distlock's).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias = lock_alias(options["database"])
+        try:
+            name = check_name(options["name"])
+            broken = break_lock(
+                name, owner=options["owner"], token=options["token"], using=alias, by=_who()
+            )
+        except (TypeError, ValueError) as exc:
+            raise CommandError(str(exc)) from exc
+        if broken:
+            self.stdout.write(self.style.SUCCESS(
+                f"Broke lock {name!r}. Its holder's renew, release and fenced writes will "
+                "fail; the next grant gets a higher token."
+            ))
+            return
+        row = Lock.objects.using(alias).filter(name=name).first()
+        if row is None:
+            raise CommandError(f"There is no lock named {name!r}.")
+        if row.is_free:
+            raise CommandError(f"Lock {name!r} is not held (token {row.token}); nothing broken.")
+        raise CommandError(
+            f"Lock {name!r} is held by another grant (owner {row.owner}, token {row.token}) "
+            "than --owner/--token say; nothing broken."
+        )

@@ -1,0 +1,60 @@
+"""manage.py distlock_purge: delete idle lock rows and old audit events.
+
+Thin over :func:`distlock.purge_locks` (which keeps the row with the largest token, so a
+purged name that comes back still gets a higher token) and
+:func:`distlock.audit.purge_events`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from distlock.audit import purge_events, retention
+from distlock.locks import purge_locks
+from distlock.management.commands._common import lock_alias, parse_duration
+
+
+class Command(BaseCommand):
+    help = (
+        "Delete lock rows free or expired for at least --idle (default 1d) and audit "
+        "events older than --events-older-than (default DISTLOCK_AUDIT_RETENTION). "
+        "Durations: seconds or 90s, 15m, 12h, 7d, 2w."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--idle", default="1d", help="Minimum idle time of a lock row.")
+        parser.add_argument(
+            "--events-older-than", dest="events", help="Age of audit events to delete."
+        )
+        parser.add_argument(
+            "--skip-events", action="store_true", help="Leave the audit history alone."
+        )
+        parser.add_argument("--database", help="Lock database alias (default: distlock's).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias = lock_alias(options["database"])
+        idle = parse_duration(options["idle"], "--idle")
+        events = None
+        if options["events"] is not None:
+            if options["skip_events"]:
+                raise CommandError("--events-older-than and --skip-events contradict each other")
+            events = parse_duration(options["events"], "--events-older-than")
+        elif not options["skip_events"]:
+            try:
+                retention()
+            except (TypeError, ValueError) as exc:
+                raise CommandError(str(exc)) from exc
+        # Everything is checked before anything is deleted.
+        locks = purge_locks(idle=idle, using=alias)
+        self.stdout.write(f"Deleted {locks} lock row(s) idle for at least {idle}.")
+        if options["skip_events"]:
+            return
+        if events is None and retention() is None:
+            self.stdout.write("Kept all audit events (DISTLOCK_AUDIT_RETENTION is None).")
+            return
+        age = events if events is not None else timedelta(seconds=retention() or 0)
+        deleted = purge_events(older_than=age, using=alias)
+        self.stdout.write(f"Deleted {deleted} audit event(s) older than {age}.")

@@ -1,0 +1,81 @@
+"""Lock state as people see it — held, expired or free — judged by the database clock.
+
+The admin and the management commands both show state. Computing it in Python from
+``time.time()`` would disagree with the database whenever the app server's clock is off,
+and the database is what decides who gets the lock, so state is an annotation evaluated
+by the database server in the same query that reads the rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import connections, models
+from django.db.models.expressions import RawSQL
+
+from distlock.db import now_sql
+from distlock.models import Lock, from_us
+
+HELD = "held"
+EXPIRED = "expired"
+FREE = "free"
+STATES = (HELD, EXPIRED, FREE)
+
+
+def database_now(alias: str) -> RawSQL:
+    """An expression for the database server's clock in epoch microseconds."""
+    return RawSQL(now_sql(connections[alias]), [], output_field=models.BigIntegerField())
+
+
+def state_case(alias: str) -> models.Case:
+    """SQL CASE giving "held", "expired" or "free" for each lock row."""
+    return models.Case(
+        models.When(owner="", then=models.Value(FREE)),
+        models.When(expires_us__gt=database_now(alias), then=models.Value(HELD)),
+        default=models.Value(EXPIRED),
+        output_field=models.CharField(),
+    )
+
+
+def with_state(queryset: models.QuerySet[Lock], alias: str) -> models.QuerySet[Lock]:
+    """Annotate ``state`` and ``db_now_us`` (the database clock when the rows were read)."""
+    return queryset.annotate(db_now_us=database_now(alias), state=state_case(alias))
+
+
+def locks(alias: str) -> models.QuerySet[Lock]:
+    """All lock rows of database ``alias`` with their state."""
+    return with_state(Lock.objects.using(alias).all(), alias)
+
+
+def relative(at_us: int | None, now_us: int | None) -> str:
+    """ "in 12 s" / "12 s ago" between two database-clock instants (whole seconds)."""
+    if at_us is None or now_us is None:
+        return ""
+    seconds = (at_us - now_us) / 1e6
+    if seconds >= 0:
+        return f"in {int(seconds + 0.5)} s"
+    return f"{int(-seconds + 0.5)} s ago"
+
+
+def describe(row: Lock) -> dict[str, Any]:
+    """A JSON-ready dict of one annotated lock row (used by ``distlock_list --json``)."""
+    now = getattr(row, "db_now_us", None)
+    expires = from_us(row.expires_us)
+    acquired = from_us(row.acquired_us)
+    state = getattr(row, "state", None)
+    return {
+        "name": row.name,
+        "state": state,
+        "token": row.token,
+        "owner": row.owner,
+        "holder": row.holder,
+        "acquired_at": acquired.isoformat() if acquired else None,
+        # For a free lock the column holds the release time, not an expiry.
+        "expires_at": expires.isoformat() if expires and state != FREE else None,
+        "released_at": expires.isoformat() if expires and state == FREE else None,
+        "expires_in_s": (
+            round((row.expires_us - now) / 1e6, 3)
+            if state != FREE and row.expires_us is not None and now is not None else None
+        ),
+        "renew_count": row.renew_count,
+    }

@@ -1,0 +1,493 @@
+"""The lock and audit admin pages through Django's test client, on a real database.
+
+Every list column, filter, search and action is exercised; breaking goes all the way to
+the database and back (the broken lease's renew and release fail, the next token is
+higher); permissions and CSRF are checked with real users and sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+
+import pytest
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.auth.models import Permission
+from django.test import Client
+from django.urls import reverse
+
+from distlock import LockLost, acquire, break_lock
+from distlock.db import db_now_us
+from distlock.models import Lock, LockEvent
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+CHANGELIST = "admin:distlock_lock_changelist"
+EVENTS = "admin:distlock_lockevent_changelist"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met within the deadline")
+        time.sleep(0.01)
+
+
+def expired_lock(name: str):
+    """A lease whose ttl has run out by the database clock, not taken over."""
+    lease = acquire(name, ttl=0.05, holder="sleepy")
+    expires = Lock.objects.get(name=name).expires_us
+    wait_until(lambda: db_now_us("default") > expires)
+    return lease
+
+
+def rows(response) -> dict[str, str]:
+    """The changelist's result rows, keyed by the lock name in the first cell."""
+    html = response.content.decode()
+    body = html[html.index('id="result_list"'):]
+    found = {}
+    for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S):
+        cell = re.search(r'<th class="field-(?:name|at)"[^>]*>(?:<a [^>]*>)?([^<]*)', row)
+        if cell:
+            found[cell.group(1)] = row
+    return found
+
+
+def result_names(response) -> list[str]:
+    return [obj.pk for obj in response.context["cl"].result_list]
+
+
+def messages_of(response) -> list[str]:
+    return [str(message) for message in response.context["messages"]]
+
+
+def user_with(django_user_model, username: str, *codenames: str):
+    user = django_user_model.objects.create_user(username, password="pw", is_staff=True)
+    for codename in codenames:
+        user.user_permissions.add(Permission.objects.get(codename=codename))
+    return user
+
+
+@pytest.fixture
+def superuser(django_user_model):
+    return django_user_model.objects.create_superuser("root", "root@example.com", "pw")
+
+
+@pytest.fixture
+def su_client(superuser) -> Client:
+    client = Client()
+    client.force_login(superuser)
+    return client
+
+
+@pytest.fixture
+def three_locks():
+    """One held (renewed once), one expired, one free lock."""
+    held = acquire("job:held", ttl=30, holder="worker-A")
+    held.renew(ttl=30)
+    expired = expired_lock("job:expired")
+    free = acquire("job:free", ttl=30)
+    free.release()
+    return held, expired, free
+
+
+def post_action(client: Client, names: list[str], **extra) -> object:
+    data = {"action": "break_selected", "_selected_action": names, "index": "0", **extra}
+    return client.post(reverse(CHANGELIST), data)
+
+
+def confirm(client: Client, response, *, follow: bool = True):
+    """Submit the confirmation form exactly as the page rendered it."""
+    html = response.content.decode()
+    form = html[html.index('<form method="post">'):]
+    data: dict[str, list[str]] = {}
+    for name, value in re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', form):
+        data.setdefault(name, []).append(value.replace("&quot;", '"').replace("&amp;", "&"))
+    return client.post(reverse(CHANGELIST), data, follow=follow)
+
+
+# --- the list -----------------------------------------------------------------------
+
+
+def test_changelist_shows_every_column(su_client, three_locks):
+    held, expired, free = three_locks
+    response = su_client.get(reverse(CHANGELIST))
+    assert response.status_code == 200
+    found = rows(response)
+    assert set(found) == {"job:held", "job:expired", "job:free"}
+
+    row = found["job:held"]
+    assert "distlock-held" in row and ">held<" in row
+    assert "worker-A" in row  # holder description
+    assert f"{held.owner[:8]}…" in row and held.owner not in row  # short owner
+    assert f'<td class="field-token">{held.token}</td>' in row
+    assert '<td class="field-renew_count">1</td>' in row
+    seconds = int(re.search(r"\(in (\d+) s\)", row).group(1))
+    assert 20 <= seconds <= 30
+    assert str(held.acquired_at.year) in re.search(r'field-acquired">([^<]*)<', row).group(1)
+
+    row = found["job:expired"]
+    assert "distlock-expired" in row and "sleepy" in row
+    assert re.search(r"\(\d+ s ago\)", row)
+    assert f'<td class="field-token">{expired.token}</td>' in row
+
+    row = found["job:free"]
+    assert "distlock-free" in row
+    assert re.search(r"released \d+ s ago", row)
+    assert re.search(r'<td class="field-short_owner">[^<]{0,2}</td>', row)
+
+
+def test_state_is_computed_by_the_database(su_client, three_locks):
+    response = su_client.get(reverse(CHANGELIST))
+    states = {obj.pk: obj.state for obj in response.context["cl"].result_list}
+    assert states == {"job:held": "held", "job:expired": "expired", "job:free": "free"}
+    # The clock the page used is the database's, read in the listing query.
+    page_now = response.context["cl"].result_list[0].db_now_us
+    assert abs(page_now - db_now_us("default")) < 60_000_000
+
+
+@pytest.mark.parametrize("state", ["held", "expired", "free"])
+def test_filter_by_state(su_client, three_locks, state):
+    response = su_client.get(reverse(CHANGELIST), {"state": state})
+    assert result_names(response) == [f"job:{state}"]
+
+
+def test_filter_offers_the_three_states(su_client, three_locks):
+    html = su_client.get(reverse(CHANGELIST)).content.decode()
+    for state in ("held", "expired", "free"):
+        assert f"?state={state}" in html
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [("job:h", ["job:held"]), ("worker-A", ["job:held"]), ("sleepy", ["job:expired"])],
+)
+def test_search_by_name_and_holder(su_client, three_locks, query, expected):
+    response = su_client.get(reverse(CHANGELIST), {"q": query})
+    assert result_names(response) == expected
+
+
+def test_search_by_owner(su_client, three_locks):
+    held = three_locks[0]
+    response = su_client.get(reverse(CHANGELIST), {"q": held.owner})
+    assert result_names(response) == ["job:held"]
+
+
+def test_ordering_by_name_by_default_and_by_state_on_request(su_client, three_locks):
+    response = su_client.get(reverse(CHANGELIST))
+    assert result_names(response) == ["job:expired", "job:free", "job:held"]
+    # Column 2 is the state badge: expired < free < held alphabetically.
+    response = su_client.get(reverse(CHANGELIST), {"o": "-2"})
+    assert result_names(response) == ["job:held", "job:free", "job:expired"]
+    response = su_client.get(reverse(CHANGELIST), {"o": "5"})  # token
+    tokens = [obj.token for obj in response.context["cl"].result_list]
+    assert tokens == sorted(tokens)
+
+
+def test_no_add_no_edit_no_delete(su_client, three_locks):
+    held = three_locks[0]
+    change = reverse("admin:distlock_lock_change", args=[held.name])
+    response = su_client.get(change)
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert held.owner in html and str(held.token) in html and "worker-A" in html
+    assert 'name="token"' not in html and 'name="_save"' not in html
+    assert "events of this lock" in html
+    assert su_client.post(change, {"token": "1", "owner": ""}).status_code == 403
+    assert su_client.get(reverse("admin:distlock_lock_add")).status_code == 403
+    delete = reverse("admin:distlock_lock_delete", args=[held.name])
+    assert su_client.post(delete, {"post": "yes"}).status_code == 403
+    row = Lock.objects.get(name=held.name)
+    assert (row.owner, row.token) == (held.owner, held.token)
+    actions = su_client.get(reverse(CHANGELIST)).context["action_form"].fields["action"]
+    assert [value for value, _ in actions.choices if value] == ["break_selected"]
+
+
+def test_bulk_delete_post_is_refused(su_client, three_locks):
+    response = su_client.post(
+        reverse(CHANGELIST),
+        {"action": "delete_selected", "_selected_action": ["job:free"], "index": "0",
+         "post": "yes"},
+        follow=True,
+    )
+    assert "No action selected." in messages_of(response)
+    assert Lock.objects.filter(name="job:free").exists()
+
+
+# --- breaking -----------------------------------------------------------------------
+
+
+def test_break_through_the_confirmation_page(su_client, superuser, settings):
+    settings.DISTLOCK_AUDIT = True
+    lease = acquire("invoice:42", ttl=30, holder="payer")
+    page = post_action(su_client, ["invoice:42"])
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "Break locks?" in html and "payer" in html and lease.owner in html
+    assert "Yes, break 1 lock" in html
+    assert Lock.objects.get(name="invoice:42").owner == lease.owner  # nothing yet
+
+    done = confirm(su_client, page)
+    assert done.redirect_chain and done.redirect_chain[-1][0].startswith(reverse(CHANGELIST))
+    assert any("Broke 1 lock(s): invoice:42" in m for m in messages_of(done))
+    assert Lock.objects.get(name="invoice:42").owner == ""
+
+    with pytest.raises(LockLost):
+        lease.renew()
+    assert lease.release() is False
+    again = acquire("invoice:42", ttl=30)
+    assert again.token == lease.token + 1
+
+    entry = LogEntry.objects.get(object_id="invoice:42")
+    assert entry.user == superuser and entry.action_flag == CHANGE
+    assert str(lease.token) in entry.get_change_message()
+    event = LockEvent.objects.get(name="invoice:42", kind="broken")
+    assert event.by == "root (admin)" and event.token == lease.token
+    assert event.holder.endswith("payer")
+
+
+def test_break_an_expired_lock(su_client):
+    lease = expired_lock("stuck")
+    done = confirm(su_client, post_action(su_client, ["stuck"]))
+    assert any("Broke 1 lock(s)" in m for m in messages_of(done))
+    assert Lock.objects.get(name="stuck").owner == ""
+    assert lease.release() is False
+
+
+def test_lock_that_changed_hands_is_not_broken(su_client):
+    first = acquire("moving", ttl=30)
+    page = post_action(su_client, ["moving"])
+    assert first.owner in page.content.decode()
+    first.release()
+    second = acquire("moving", ttl=30, holder="newcomer")
+    done = confirm(su_client, page)
+    notes = messages_of(done)
+    assert any("Did not break “moving”: it changed hands" in m for m in notes)
+    assert any(f"token {second.token}" in m for m in notes)
+    row = Lock.objects.get(name="moving")
+    assert (row.owner, row.token) == (second.owner, second.token)
+    second.renew()  # still the holder
+    assert not LogEntry.objects.filter(object_id="moving").exists()
+
+
+def test_lock_freed_since_the_page_was_shown_is_reported(su_client):
+    lease = acquire("gone", ttl=30)
+    page = post_action(su_client, ["gone"])
+    lease.release()
+    done = confirm(su_client, page)
+    assert any("it is now free" in m for m in messages_of(done))
+
+
+def test_selecting_only_free_locks_offers_nothing_to_break(su_client, three_locks):
+    page = post_action(su_client, ["job:free"])
+    html = page.content.decode()
+    assert "Already free, nothing to break" in html and "job:free" in html
+    assert "distlock-confirm-break" not in html
+    done = confirm(su_client, page)
+    assert "None of the selected locks was held." in messages_of(done)
+
+
+def test_break_several_at_once(su_client, three_locks):
+    held, expired, _ = three_locks
+    page = post_action(su_client, ["job:held", "job:expired", "job:free"])
+    assert "Yes, break 2 locks" in page.content.decode()
+    done = confirm(su_client, page)
+    assert any("Broke 2 lock(s)" in m for m in messages_of(done))
+    assert set(Lock.objects.values_list("owner", flat=True)) == {""}
+    assert LogEntry.objects.filter(object_id__in=["job:held", "job:expired"]).count() == 2
+
+
+@pytest.mark.parametrize(
+    "expect",
+    [
+        "not json",
+        json.dumps(["x", "0" * 31, 1]),
+        json.dumps(["x", "0" * 32, 0]),
+        json.dumps(["x", "0" * 32]),
+        json.dumps(["", "0" * 32, 5]),
+    ],
+)
+def test_malformed_confirmation_breaks_nothing(su_client, expect):
+    lease = acquire("x", ttl=30)
+    data = {"action": "break_selected", "_selected_action": ["x"], "post": "yes",
+            "expect": [json.dumps(["x", lease.owner, lease.token]), expect]}
+    done = su_client.post(reverse(CHANGELIST), data, follow=True)
+    assert "The confirmation was malformed; nothing was broken." in messages_of(done)
+    assert Lock.objects.get(name="x").owner == lease.owner
+
+
+def test_confirmation_only_breaks_selected_names(su_client):
+    a = acquire("a", ttl=30)
+    b = acquire("b", ttl=30)
+    data = {"action": "break_selected", "_selected_action": ["a"], "post": "yes",
+            "expect": [json.dumps(["a", a.owner, a.token]), json.dumps(["b", b.owner, b.token])]}
+    su_client.post(reverse(CHANGELIST), data)
+    assert Lock.objects.get(name="a").owner == ""
+    assert Lock.objects.get(name="b").owner == b.owner
+
+
+# --- permissions --------------------------------------------------------------------
+
+
+def test_anonymous_gets_the_login_page():
+    lease = acquire("anon", ttl=30)
+    client = Client()
+    response = client.get(reverse(CHANGELIST))
+    assert response.status_code == 302 and reverse("admin:login") in response["Location"]
+    data = {"action": "break_selected", "_selected_action": ["anon"], "post": "yes",
+            "expect": [json.dumps(["anon", lease.owner, lease.token])]}
+    response = client.post(reverse(CHANGELIST), data)
+    assert response.status_code == 302 and reverse("admin:login") in response["Location"]
+    assert Lock.objects.get(name="anon").owner == lease.owner
+
+
+def test_staff_without_break_permission_has_no_action_and_forged_post_fails(
+    django_user_model,
+):
+    lease = acquire("guarded", ttl=30)
+    client = Client()
+    client.force_login(user_with(django_user_model, "viewer", "view_lock"))
+    response = client.get(reverse(CHANGELIST))
+    assert response.status_code == 200 and result_names(response) == ["guarded"]
+    assert "break_selected" not in response.content.decode()
+    assert "action_form" not in response.context or response.context["action_form"] is None
+
+    # Step one (ask for the page) and step two (confirm), forged by hand.
+    step_one = post_action(client, ["guarded"])
+    assert step_one.status_code == 200 and "Break locks?" not in step_one.content.decode()
+    data = {"action": "break_selected", "_selected_action": ["guarded"], "post": "yes",
+            "expect": [json.dumps(["guarded", lease.owner, lease.token])]}
+    client.post(reverse(CHANGELIST), data)
+    client.post(reverse(CHANGELIST), {**data, "index": "0"})
+    row = Lock.objects.get(name="guarded")
+    assert (row.owner, row.token) == (lease.owner, lease.token)
+    assert not LogEntry.objects.exists()
+
+
+def test_staff_without_view_permission_is_forbidden(django_user_model):
+    client = Client()
+    client.force_login(user_with(django_user_model, "nobody"))
+    assert client.get(reverse(CHANGELIST)).status_code == 403
+    assert client.get(reverse(EVENTS)).status_code == 403
+
+
+def test_staff_with_the_break_permission_can_break(django_user_model):
+    lease = acquire("ops", ttl=30)
+    client = Client()
+    client.force_login(user_with(django_user_model, "operator", "view_lock", "break_lock"))
+    done = confirm(client, post_action(client, ["ops"]))
+    assert any("Broke 1 lock(s)" in m for m in messages_of(done))
+    assert lease.release() is False
+
+
+def test_csrf_is_enforced(superuser):
+    lease = acquire("csrf", ttl=30)
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(superuser)
+    data = {"action": "break_selected", "_selected_action": ["csrf"], "post": "yes",
+            "expect": [json.dumps(["csrf", lease.owner, lease.token])]}
+    assert client.post(reverse(CHANGELIST), data).status_code == 403
+    assert Lock.objects.get(name="csrf").owner == lease.owner
+    # With the token the page carries, the same request works.
+    page = client.post(
+        reverse(CHANGELIST),
+        {"action": "break_selected", "_selected_action": ["csrf"], "index": "0",
+         "csrfmiddlewaretoken": client.get(reverse(CHANGELIST)).context["csrf_token"]},
+    )
+    assert page.status_code == 200
+    confirm(client, page)
+    assert Lock.objects.get(name="csrf").owner == ""
+
+
+# --- the audit history admin --------------------------------------------------------
+
+
+@pytest.fixture
+def events(settings):
+    settings.DISTLOCK_AUDIT = True
+    lease = acquire("ev:one", ttl=30, holder="alpha")
+    lease.renew()
+    lease.release()
+    other = acquire("ev:two", ttl=30, holder="beta")
+    break_lock("ev:two", by="carol")
+    assert other.release() is False
+    return lease, other
+
+
+def test_event_list_columns(su_client, events):
+    lease, _ = events
+    response = su_client.get(reverse(EVENTS))
+    assert response.status_code == 200
+    html = response.content.decode()
+    kinds = [(obj.name, obj.kind) for obj in response.context["cl"].result_list]
+    assert ("ev:one", "acquired") in kinds and ("ev:one", "renewed") in kinds
+    assert ("ev:one", "released") in kinds and ("ev:two", "broken") in kinds
+    assert "distlock-broken" in html and ">broken<" in html
+    assert "carol" in html and "alpha" in html
+    assert f'<td class="field-token">{lease.token}</td>' in html
+    year = str(lease.acquired_at.year)
+    assert re.search(r'field-at"[^>]*>(?:<a [^>]*>)?[^<]*' + year, html)
+    assert "released" in html and "expires " in html  # detail of the renewal
+
+
+def test_event_filters_and_search(su_client, events):
+    url = reverse(EVENTS)
+    broken = su_client.get(url, {"kind": "broken"}).context["cl"].result_list
+    assert [(e.name, e.by) for e in broken] == [("ev:two", "carol")]
+    recent = su_client.get(url, {"age": "hour"}).context["cl"].result_list
+    assert len(recent) == LockEvent.objects.count() >= 5
+    LockEvent.objects.update(at_us=db_now_us("default") - 2 * 86400 * 1_000_000)
+    assert list(su_client.get(url, {"age": "day"}).context["cl"].result_list) == []
+    assert len(su_client.get(url, {"age": "week"}).context["cl"].result_list) >= 5
+    assert {e.name for e in su_client.get(url, {"q": "beta"}).context["cl"].result_list} == {
+        "ev:two"
+    }
+    assert {e.by for e in su_client.get(url, {"q": "carol"}).context["cl"].result_list} == {
+        "carol"
+    }
+    named = su_client.get(url, {"name__exact": "ev:one"}).context["cl"].result_list
+    assert {e.name for e in named} == {"ev:one"} and len(named) == 3
+
+
+def test_event_admin_is_read_only(su_client, events):
+    event = LockEvent.objects.first()
+    change = reverse("admin:distlock_lockevent_change", args=[event.pk])
+    response = su_client.get(change)
+    assert response.status_code == 200 and 'name="_save"' not in response.content.decode()
+    assert su_client.post(change, {"kind": "broken"}).status_code == 403
+    assert su_client.get(reverse("admin:distlock_lockevent_add")).status_code == 403
+    delete = reverse("admin:distlock_lockevent_delete", args=[event.pk])
+    assert su_client.post(delete, {"post": "yes"}).status_code == 403
+    response = su_client.post(
+        reverse(EVENTS),
+        {"action": "delete_selected", "_selected_action": [event.pk], "index": "0",
+         "post": "yes"},
+        follow=True,
+    )
+    assert LockEvent.objects.filter(pk=event.pk).exists()
+
+
+def test_facet_counts_follow_the_database_state(su_client, three_locks):
+    response = su_client.get(reverse(CHANGELIST), {"_facets": "True"})
+    html = response.content.decode()
+    for state in ("held", "expired (not yet taken over)", "free"):
+        assert f"{state} (1)" in html
+    response = su_client.get(reverse(EVENTS), {"_facets": "True"})
+    assert response.status_code == 200
+
+
+def test_atomic_requests_on_the_lock_database_is_reported_not_a_crash(su_client, monkeypatch):
+    from django.db import connection
+
+    lease = acquire("atomic", ttl=30)
+    page = post_action(su_client, ["atomic"])
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    done = confirm(su_client, page)
+    assert done.status_code == 200
+    assert any("Nothing more was broken" in m and "DISTLOCK_DATABASE" in m
+               for m in messages_of(done))
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", False)
+    assert Lock.objects.get(name="atomic").owner == lease.owner

@@ -1,0 +1,209 @@
+"""The audit history (LockEvent) and the signals it is recorded from."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from django.db import connection, connections
+
+from distlock import LockLost, StaleToken, acquire, break_lock, signals
+from distlock.audit import check_audit_settings, purge_events, record
+from distlock.db import db_now_us
+from distlock.models import Lock, LockEvent
+from distlock.testing import make_stale
+from tests.testapp.models import Account
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+
+@pytest.fixture
+def audit(settings):
+    settings.DISTLOCK_AUDIT = True
+
+
+def kinds(name: str) -> list[str]:
+    return list(LockEvent.objects.filter(name=name).order_by("id").values_list("kind", flat=True))
+
+
+def wait_expired(name: str) -> None:
+    expires = Lock.objects.get(name=name).expires_us
+    deadline = time.monotonic() + 10
+    while db_now_us("default") <= expires:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_nothing_is_recorded_when_audit_is_off():
+    assert LockEvent._meta.db_table == "distlock_lockevent"
+    lease = acquire("quiet", ttl=30)
+    lease.renew()
+    lease.release()
+    assert not LockEvent.objects.exists()
+    assert record("acquired", name="quiet", using="default") is False
+
+
+def test_grant_renew_release_are_recorded_with_the_database_clock(audit):
+    before = db_now_us("default")
+    lease = acquire("life", ttl=30, holder="worker-7")
+    lease.renew(ttl=60)
+    assert lease.release() is True
+    after = db_now_us("default")
+    events = list(LockEvent.objects.filter(name="life").order_by("id"))
+    assert [e.kind for e in events] == ["acquired", "renewed", "released"]
+    for event in events:
+        assert (event.token, event.owner) == (lease.token, lease.owner)
+        assert event.holder.endswith("worker-7")
+        assert before <= event.at_us <= after
+    assert events[0].at_us <= events[1].at_us <= events[2].at_us
+    assert events[0].at == lease.acquired_at or events[0].at >= lease.acquired_at
+    assert lease.expires_at.isoformat() in events[1].detail
+    assert events[2].detail == ""
+
+
+def test_expired_take_over_names_the_previous_holder(audit):
+    old = acquire("slow", ttl=0.05, holder="sleeper")
+    wait_expired("slow")
+    new = acquire("slow", ttl=30, holder="fresh")
+    assert old.release() is False
+    assert kinds("slow") == ["acquired", "took_over"]
+    event = LockEvent.objects.get(name="slow", kind="took_over")
+    assert event.token == new.token == old.token + 1
+    assert "sleeper" in event.detail and event.holder.endswith("fresh")
+    assert event.get_kind_display() == "expired take-over"
+
+
+def test_release_of_an_expired_lease_says_so(audit):
+    lease = acquire("late", ttl=0.05)
+    wait_expired("late")
+    assert lease.release() is False
+    event = LockEvent.objects.get(name="late", kind="released")
+    assert "already expired" in event.detail
+
+
+def test_break_and_the_holders_loss_are_recorded(audit):
+    lease = acquire("victim", ttl=30, holder="doomed")
+    assert break_lock("victim", by="alice") is True
+    with pytest.raises(LockLost):
+        lease.renew()
+    assert kinds("victim") == ["acquired", "broken", "lost"]
+    broken = LockEvent.objects.get(name="victim", kind="broken")
+    assert (broken.by, broken.token, broken.owner) == ("alice", lease.token, lease.owner)
+    assert broken.holder.endswith("doomed")
+    lost = LockEvent.objects.get(name="victim", kind="lost")
+    assert "broken" in lost.detail
+
+
+def test_renewals_from_the_auto_renew_thread_are_recorded(audit):
+    lease = acquire("auto", ttl=0.3, auto_renew=True)
+    deadline = time.monotonic() + 10
+    while LockEvent.objects.filter(name="auto", kind="renewed").count() < 2:
+        assert time.monotonic() < deadline, "no renewals were recorded"
+        time.sleep(0.02)
+    lease.release()
+    assert kinds("auto")[0] == "acquired" and kinds("auto")[-1] == "released"
+
+
+def test_stale_write_refused_is_recorded(audit):
+    account = Account.objects.create(balance=1)
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    make_stale(lease)
+    newer = acquire(f"account:{account.pk}", ttl=30)
+    account.balance = 99
+    with pytest.raises(StaleToken):
+        account.save(fence=lease)
+    event = LockEvent.objects.get(name=f"account:{account.pk}", kind="stale_write")
+    assert event.token == lease.token and event.owner == lease.owner
+    assert "testapp.Account" in event.detail and str(lease.token) in event.detail
+    assert event.get_kind_display() == "stale write refused"
+    assert newer.release() is True
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "locks"])
+def test_events_go_to_the_lock_database(audit, settings):
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite: the 'locks' alias is the same file; nothing to tell apart")
+    settings.DISTLOCK_DATABASE = "locks"
+    lease = acquire("routed", ttl=30)
+    lease.release()
+    assert LockEvent.objects.using("locks").filter(name="routed").count() == 2
+    connections["locks"].close()
+
+
+def test_a_failing_audit_insert_does_not_break_locking(audit, caplog):
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE distlock_lockevent RENAME TO distlock_lockevent_away")
+    try:
+        with caplog.at_level(logging.ERROR, logger="distlock.audit"):
+            lease = acquire("sturdy", ttl=30)
+            assert lease is not None
+            assert lease.release() is True
+        assert "could not record acquired of lock 'sturdy'" in caplog.text
+        assert "could not record released" in caplog.text
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE distlock_lockevent_away RENAME TO distlock_lockevent")
+    assert Lock.objects.get(name="sturdy").is_free
+
+
+def test_purge_events_by_age(audit):
+    acquire("p", ttl=30).release()
+    now = db_now_us("default")
+    LockEvent.objects.filter(kind="acquired").update(at_us=now - 10 * 86400 * 1_000_000)
+    assert purge_events(older_than=86400) == 1
+    assert kinds("p") == ["released"]
+    assert purge_events() == 0  # default retention: 30 days
+
+
+def test_purge_events_uses_the_retention_setting(audit, settings):
+    acquire("r", ttl=30).release()
+    LockEvent.objects.update(at_us=db_now_us("default") - 7200 * 1_000_000)
+    settings.DISTLOCK_AUDIT_RETENTION = None
+    assert purge_events() == 0
+    settings.DISTLOCK_AUDIT_RETENTION = 3600
+    assert purge_events() == 2
+
+
+@pytest.mark.parametrize(
+    ("older_than", "error"),
+    [(-1, ValueError), ("1d", TypeError), (float("nan"), ValueError), (True, TypeError)],
+)
+def test_purge_events_bad_input_deletes_nothing(audit, older_than, error):
+    acquire("keep", ttl=30).release()
+    LockEvent.objects.update(at_us=0)
+    with pytest.raises(error):
+        purge_events(older_than=older_than)
+    with pytest.raises(ValueError):
+        purge_events(older_than=1, using="nope")
+    assert LockEvent.objects.count() == 2
+
+
+def test_audit_setting_checks(settings):
+    assert check_audit_settings() == []
+    settings.DISTLOCK_AUDIT = "yes"
+    settings.DISTLOCK_AUDIT_RETENTION = 0
+    assert [m.id for m in check_audit_settings()] == ["distlock.E020", "distlock.E021"]
+    settings.DISTLOCK_AUDIT = True
+    settings.DISTLOCK_AUDIT_RETENTION = "30d"
+    assert [m.id for m in check_audit_settings()] == ["distlock.E021"]
+
+
+def test_renewed_signal_carries_the_lease():
+    seen = []
+
+    def receiver(sender, lease, **kwargs):
+        seen.append((lease.token, lease.expires_at, threading.current_thread().name))
+
+    signals.lock_renewed.connect(receiver)
+    try:
+        lease = acquire("sig", ttl=30)
+        lease.renew(ttl=40)
+        assert seen == [(lease.token, lease.expires_at, threading.current_thread().name)]
+        break_lock("sig")
+        with pytest.raises(LockLost):
+            lease.renew()
+        assert len(seen) == 1  # a failed renewal sends lock_lost, not lock_renewed
+    finally:
+        signals.lock_renewed.disconnect(receiver)

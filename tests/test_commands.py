@@ -1,0 +1,351 @@
+"""The distlock_* management commands, through call_command with captured output, and a
+real `manage.py` process for the exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from io import StringIO
+
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+
+from distlock import LockLost, acquire
+from distlock.db import db_now_us
+from distlock.management.commands.distlock_doctor import independence
+from distlock.models import Lock, LockEvent
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out, stderr=StringIO())
+    return out.getvalue()
+
+
+def wait_expired(name: str) -> None:
+    expires = Lock.objects.get(name=name).expires_us
+    deadline = time.monotonic() + 10
+    while db_now_us("default") <= expires:
+        assert time.monotonic() < deadline, "the lease never expired by the database clock"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def three_locks():
+    held = acquire("cmd:held", ttl=30, holder="worker-A")
+    expired = acquire("cmd:expired", ttl=0.05)
+    wait_expired("cmd:expired")
+    free = acquire("cmd:free", ttl=30)
+    free.release()
+    return held, expired, free
+
+
+# --- distlock_list ------------------------------------------------------------------
+
+
+def test_list_table(three_locks):
+    held = three_locks[0]
+    lines = run("distlock_list").splitlines()
+    assert lines[0].split() == ["name", "state", "token", "holder", "expires", "renews"]
+    by_name = {line.split()[0]: line for line in lines[1:]}
+    assert set(by_name) == {"cmd:held", "cmd:expired", "cmd:free"}
+    assert by_name["cmd:held"].split()[1:3] == ["held", str(held.token)]
+    assert "worker-A" in by_name["cmd:held"] and " s" in by_name["cmd:held"]
+    assert "in 2" in by_name["cmd:held"] or "in 30 s" in by_name["cmd:held"]
+    assert by_name["cmd:expired"].split()[1] == "expired" and "s ago" in by_name["cmd:expired"]
+    assert by_name["cmd:free"].split()[1] == "free"
+
+
+def test_list_held_only(three_locks):
+    lines = run("distlock_list", "--held").splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["cmd:held"]
+
+
+def test_list_empty():
+    assert run("distlock_list").strip() == "No locks."
+    assert run("distlock_list", "--held").strip() == "No locks held."
+
+
+def test_list_json(three_locks):
+    held = three_locks[0]
+    data = json.loads(run("distlock_list", "--json"))
+    by_name = {item["name"]: item for item in data}
+    item = by_name["cmd:held"]
+    assert item["state"] == "held" and item["token"] == held.token
+    assert item["owner"] == held.owner and item["holder"].endswith("worker-A")
+    assert 20 < item["expires_in_s"] <= 30
+    assert item["expires_at"] == held.expires_at.isoformat()
+    assert item["acquired_at"] == held.acquired_at.isoformat()
+    assert by_name["cmd:expired"]["state"] == "expired"
+    assert by_name["cmd:expired"]["expires_in_s"] < 0
+    assert by_name["cmd:free"]["state"] == "free"
+    assert by_name["cmd:free"]["released_at"] and by_name["cmd:free"]["expires_at"] is None
+    held_only = json.loads(run("distlock_list", "--json", "--held"))
+    assert [item["name"] for item in held_only] == ["cmd:held"]
+
+
+def test_list_unknown_database_and_flag():
+    with pytest.raises(CommandError, match="not an alias"):
+        run("distlock_list", "--database", "nope")
+    with pytest.raises(CommandError, match="unrecognized arguments"):
+        run("distlock_list", "--hold")
+
+
+# --- distlock_break -----------------------------------------------------------------
+
+
+def test_break(settings):
+    settings.DISTLOCK_AUDIT = True
+    lease = acquire("job", ttl=30)
+    assert "Broke lock 'job'" in run("distlock_break", "job")
+    assert Lock.objects.get(name="job").is_free
+    with pytest.raises(LockLost):
+        lease.renew()
+    assert acquire("job", ttl=30).token == lease.token + 1
+    event = LockEvent.objects.get(kind="broken")
+    assert event.by.startswith("manage.py distlock_break (") and event.token == lease.token
+
+
+def test_break_guarded_by_owner_and_token():
+    lease = acquire("guarded", ttl=30)
+    with pytest.raises(CommandError, match="another grant"):
+        run("distlock_break", "guarded", "--token", str(lease.token + 1))
+    with pytest.raises(CommandError, match="another grant"):
+        run("distlock_break", "guarded", "--owner", "f" * 32)
+    assert Lock.objects.get(name="guarded").owner == lease.owner
+    run("distlock_break", "guarded", "--owner", lease.owner, "--token", str(lease.token))
+    assert Lock.objects.get(name="guarded").is_free
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing"], "no lock named 'missing'"),
+        (["free"], "is not held"),
+        ([""], "must not be empty"),
+        (["x" * 256], "at most 255"),
+        (["free", "--owner", "XYZ"], "32 lowercase hex"),
+        (["free", "--token", "0"], "between 1 and"),
+        (["free", "--token", "abc"], "invalid int value"),
+        ([], "the following arguments are required: name"),
+    ],
+)
+def test_break_bad_input(args, message):
+    acquire("free", ttl=30).release()
+    before = list(Lock.objects.values_list("name", "token", "owner"))
+    with pytest.raises(CommandError, match=message):
+        run("distlock_break", *args)
+    assert list(Lock.objects.values_list("name", "token", "owner")) == before
+
+
+# --- distlock_purge -----------------------------------------------------------------
+
+
+def test_purge_idle_rows_keeps_the_top_token_and_held_locks(settings):
+    settings.DISTLOCK_AUDIT = True
+    old = acquire("old", ttl=30)
+    old.release()
+    held = acquire("held", ttl=30)
+    top = acquire("top", ttl=30)
+    top.release()
+    out = run("distlock_purge", "--idle", "0")
+    assert "Deleted 1 lock row(s)" in out
+    assert set(Lock.objects.values_list("name", flat=True)) == {"held", "top"}
+    assert acquire("old", ttl=30).token > top.token
+    assert held.release() is True
+    assert "Deleted 0 audit event(s)" in out  # all events are new
+
+
+def test_purge_old_events_by_database_clock(settings):
+    settings.DISTLOCK_AUDIT = True
+    acquire("e", ttl=30).release()
+    assert LockEvent.objects.count() == 2
+    LockEvent.objects.filter(kind="acquired").update(
+        at_us=db_now_us("default") - 3 * 86400 * 1_000_000
+    )
+    out = run("distlock_purge", "--events-older-than", "2d")
+    assert "Deleted 1 audit event(s) older than 2 days" in out
+    assert list(LockEvent.objects.values_list("kind", flat=True)) == ["released"]
+    # The default age is DISTLOCK_AUDIT_RETENTION.
+    LockEvent.objects.update(at_us=db_now_us("default") - 3600 * 1_000_000)
+    settings.DISTLOCK_AUDIT_RETENTION = 1800
+    assert "Deleted 1 audit event(s)" in run("distlock_purge")
+    settings.DISTLOCK_AUDIT_RETENTION = None
+    acquire("f", ttl=30).release()
+    LockEvent.objects.update(at_us=0)
+    assert "Kept all audit events" in run("distlock_purge")
+    assert LockEvent.objects.count() == 2
+    run("distlock_purge", "--skip-events")
+    assert LockEvent.objects.count() == 2
+
+
+def test_purge_respects_idle():
+    acquire("recent", ttl=30).release()
+    acquire("top", ttl=30).release()
+    assert "Deleted 0 lock row(s)" in run("distlock_purge", "--idle", "1h30m")
+    assert Lock.objects.count() == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--idle", "soon"], "--idle: 'soon' is not a duration"),
+        (["--idle", "-5"], "not a duration"),
+        (["--idle", ""], "not a duration"),
+        (["--idle", "5x"], "not a duration"),
+        (["--events-older-than", "1y"], "--events-older-than: '1y' is not a duration"),
+        (["--events-older-than", "1d", "--skip-events"], "contradict"),
+        (["--database", "elsewhere"], "not an alias"),
+    ],
+)
+def test_purge_bad_input_deletes_nothing(args, message):
+    acquire("a", ttl=30).release()
+    acquire("b", ttl=30).release()
+    with pytest.raises(CommandError, match=message):
+        run("distlock_purge", *args)
+    assert Lock.objects.count() == 2
+
+
+def test_purge_bad_retention_setting_is_a_command_error(settings):
+    settings.DISTLOCK_AUDIT_RETENTION = -1
+    acquire("a", ttl=30).release()
+    acquire("b", ttl=30).release()
+    with pytest.raises(CommandError, match="must be positive"):
+        run("distlock_purge", "--idle", "0")
+    assert Lock.objects.count() == 2
+
+
+# --- distlock_doctor ----------------------------------------------------------------
+
+
+def test_doctor_on_the_test_database():
+    out = run("distlock_doctor")
+    assert "[ok] table distlock_lock exists" in out
+    assert "database clock is" in out and "ms" in out
+    assert "no problems" in out
+    if connection.vendor == "sqlite":
+        assert "[ok] SQLite transaction_mode is IMMEDIATE" in out
+        assert "[ok] SQLite busy timeout is 30 s" in out
+        # The test settings have a second alias on the same file.
+        assert "same SQLite file as 'locks'" in out
+    elif connection.vendor == "mysql":
+        assert "[ok] distlock_lock.name collation is utf8mb4_nopad_bin" in out
+        # Django's MySQL backend sets READ COMMITTED unless OPTIONS say otherwise.
+        assert "isolation level is READ-COMMITTED" in out
+        assert "[ok] the lock alias 'default' is its own connection" in out
+    else:
+        assert "isolation level is read committed" in out
+        assert "[ok] the lock alias 'default' is its own connection" in out
+
+
+def test_doctor_reports_skew_over_the_limit_as_a_warning():
+    # A limit of 0 s: any measurable difference warns, and a warning is not a failure.
+    out = run("distlock_doctor", "--max-skew", "0")
+    assert "no problems" in out
+    with pytest.raises(CommandError, match="--max-skew"):
+        run("distlock_doctor", "--max-skew", "-1")
+    with pytest.raises(CommandError, match="invalid float"):
+        run("distlock_doctor", "--max-skew", "soon")
+
+
+@pytest.mark.skipif(
+    settings.DATABASES["default"]["ENGINE"] != "django.db.backends.sqlite3",
+    reason="SQLite settings only",
+)
+def test_doctor_fails_on_deferred_sqlite(monkeypatch):
+    options = {**connection.settings_dict["OPTIONS"], "transaction_mode": None}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    out = StringIO()
+    with pytest.raises(CommandError, match="1 problem"):
+        call_command("distlock_doctor", stdout=out)
+    assert "[FAIL] SQLite transaction_mode is DEFERRED" in out.getvalue()
+
+
+@pytest.mark.skipif(
+    settings.DATABASES["default"]["ENGINE"] != "django.db.backends.mysql",
+    reason="MariaDB/MySQL only: the collation check",
+)
+def test_doctor_fails_on_a_folding_collation():
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "ALTER TABLE distlock_lock MODIFY name varchar(255) "
+            "CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL"
+        )
+    try:
+        out = StringIO()
+        with pytest.raises(CommandError, match="1 problem"):
+            call_command("distlock_doctor", stdout=out)
+        assert "[FAIL] distlock_lock.name collation is utf8mb4_general_ci" in out.getvalue()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "ALTER TABLE distlock_lock MODIFY name varchar(255) "
+                "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL"
+            )
+
+
+def test_doctor_independence_of_the_lock_alias():
+    pg = {"ENGINE": "django.db.backends.postgresql", "NAME": "app", "HOST": "db"}
+    only = independence("default", "postgresql", {"default": pg})
+    assert [level for level, _ in only] == ["warn"]
+    assert "is the connection your code uses" in only[0][1]
+    assert "DISTLOCK_DATABASE = 'distlock'" in only[0][1]
+    both = {"default": pg, "distlock": {**pg}}
+    assert independence("distlock", "postgresql", both) == [
+        ("ok", "the lock alias 'distlock' is its own connection to the database of "
+               "'default': grants commit on their own, also inside your transactions there"),
+    ]
+    elsewhere = {"default": pg, "distlock": {**pg, "NAME": "locks"}}
+    assert independence("distlock", "postgresql", elsewhere)[0][0] == "warn"
+    lite = {"ENGINE": "django.db.backends.sqlite3", "NAME": "/x.sqlite3"}
+    same_file = independence("distlock", "sqlite", {"default": lite, "distlock": {**lite}})
+    assert same_file[0][0] == "warn" and "same SQLite file as 'default'" in same_file[0][1]
+    atomic = independence("default", "postgresql", {
+        "default": {**pg, "ATOMIC_REQUESTS": True}, "other": pg,
+    })
+    assert [level for level, _ in atomic] == ["warn", "ok"]
+    assert "ATOMIC_REQUESTS" in atomic[0][1]
+
+
+def test_command_exit_status_from_a_real_process():
+    """manage.py exits 1 with the message on stderr: what scripts and cron see."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "DISTLOCK_TEST_CHILD_DB": connection.settings_dict["NAME"]}
+    command = [sys.executable, "-m", "django", "distlock_break", "nobody-has-this"]
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=120,
+        cwd=settings.BASE_DIR,
+    )
+    assert done.returncode == 1
+    assert "CommandError: There is no lock named 'nobody-has-this'." in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "distlock_list", "--json"], env=env,
+        capture_output=True, text=True, timeout=120, cwd=settings.BASE_DIR,
+    )
+    assert done.returncode == 0 and json.loads(done.stdout) == []
+
+
+def test_doctor_fails_when_the_audit_table_is_missing(settings):
+    settings.DISTLOCK_AUDIT = True
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE distlock_lockevent RENAME TO distlock_lockevent_away")
+    try:
+        out = StringIO()
+        with pytest.raises(CommandError, match="1 problem"):
+            call_command("distlock_doctor", stdout=out)
+        assert "[FAIL] DISTLOCK_AUDIT is on but table distlock_lockevent is missing" in (
+            out.getvalue()
+        )
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE distlock_lockevent_away RENAME TO distlock_lockevent")
+    settings.DISTLOCK_AUDIT = False
+    assert "no problems" in run("distlock_doctor")
