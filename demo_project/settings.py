@@ -1,4 +1,9 @@
-"""Settings for the demo: SQLite by default, another database through DATABASE_URL."""
+"""Settings for the demo: embedded defaults, servers through environment variables.
+
+DATABASE_URL     sqlite:///path (default: demo.sqlite3 here), postgresql://…, mysql://…
+CELERY_BROKER_URL  filesystem:// (default: a folder in the project, DEMO_BROKER_DIR),
+                 redis://127.0.0.1:6379/0, amqp://guest:guest@127.0.0.1:5672//
+"""
 
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "distlock",
+    "demo_project.bank",
 ]
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -89,3 +95,27 @@ TEMPLATES = [
 ]
 STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Waiters poll at most every 0.1 s, so the demo's hand-overs are quick to watch.
+DISTLOCK_POLL_MAX_INTERVAL = 0.1
+
+# Celery (demo_project/celery.py reads the CELERY_* names). No result backend: the demo
+# keeps its outcomes in its own tables (demo_project.bank.models.Attempt).
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
+DEMO_BROKER_DIR = Path(os.environ.get("DEMO_BROKER_DIR", BASE_DIR / ".demo-broker"))
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    # kombu's filesystem transport: producers and workers meet in one folder. It needs no
+    # server, but is not crash-durable (a SIGKILLed worker's message is lost): a demo and
+    # development default, not for production.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(DEMO_BROKER_DIR / "queue"),
+        "data_folder_out": str(DEMO_BROKER_DIR / "queue"),
+        "control_folder": str(DEMO_BROKER_DIR / "control"),
+        "polling_interval": 0.1,
+    }
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+
+# The demo's lock lease, in seconds (contention_demo --ttl passes it to its workers).
+DEMO_LOCK_TTL = float(os.environ.get("DEMO_LOCK_TTL", "1.0"))

@@ -33,6 +33,10 @@ class LockTimeout(DistlockError, TimeoutError):
         self.timeout = timeout
         super().__init__(f"could not acquire lock {name!r} within {timeout} s")
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable with its own arguments: Celery pickles a task's exception.
+        return (type(self), (self.name, self.timeout))
+
 
 class LockLost(DistlockError):
     """The lease is no longer held: it expired, was broken, or another owner has the lock."""
@@ -42,6 +46,9 @@ class LockLost(DistlockError):
         self.token = token
         self.reason = reason
         super().__init__(f"lock {name!r} (token {token}) is lost: {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.token, self.reason))
 
 
 class StaleToken(DistlockError):

@@ -1,0 +1,234 @@
+"""The Celery app of the Celery tests, run by real ``celery worker`` processes.
+
+The test process imports it to send tasks; the workers it starts import it with
+``celery -A tests.celery_app worker``. Both meet through the broker of :func:`broker_url`:
+the filesystem transport (a folder per test session) or Redis. Each session uses its own
+queue, so runs sharing a Redis server do not take each other's tasks.
+
+Tasks report what happened as JSON lines appended to ``events.jsonl`` in the session
+folder (one ``write`` per line with O_APPEND, so lines from several processes never
+interleave); times come from the database clock, like the leases'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+
+from celery import Celery, signals  # noqa: E402 - the fixup needs the settings module set
+from django.dispatch import receiver  # noqa: E402
+
+from distlock.celery import locked_task, task_lock_busy  # noqa: E402
+
+DIR_ENV = "DISTLOCK_TEST_CELERY_DIR"
+QUEUE_ENV = "DISTLOCK_TEST_CELERY_QUEUE"
+VISIBILITY_ENV = "DISTLOCK_TEST_CELERY_VISIBILITY"
+
+app = Celery("distlock_tests")
+
+
+def broker_url() -> str:
+    """The broker of this run.
+
+    DISTLOCK_TEST_BROKER picks it: ``filesystem`` or a ``redis://`` URL (``redis`` alone
+    means DISTLOCK_TEST_REDIS or redis://127.0.0.1:6379/0). Unset, the PostgreSQL run uses
+    Redis when DISTLOCK_TEST_REDIS is configured (as CI does), every other run the
+    filesystem broker: Redis + PostgreSQL and filesystem + SQLite, the two set-ups the
+    Celery tests must cover, without running the Redis variant three times.
+    """
+    redis = os.environ.get("DISTLOCK_TEST_REDIS") or "redis://127.0.0.1:6379/0"
+    broker = os.environ.get("DISTLOCK_TEST_BROKER")
+    if not broker:
+        backend = os.environ.get("DISTLOCK_TEST_BACKEND", "sqlite")
+        configured = os.environ.get("DISTLOCK_TEST_REDIS")
+        broker = "redis" if backend == "postgresql" and configured else "filesystem"
+    if broker == "filesystem":
+        return "filesystem://"
+    if broker == "redis":
+        return redis
+    if broker.startswith(("redis://", "rediss://")):
+        return broker
+    raise RuntimeError(f"DISTLOCK_TEST_BROKER={broker!r}: use filesystem, redis or a redis:// URL")
+
+
+def configure(base: Path, queue: str, visibility: float | None = None) -> None:
+    """Point the app at the session's broker folder/queue (before its first connection)."""
+    url = broker_url()
+    options: dict[str, Any]
+    if url == "filesystem://":
+        for sub in ("queue", "control", "tmp"):
+            (base / sub).mkdir(parents=True, exist_ok=True)
+        options = {
+            "data_folder_in": str(base / "queue"),
+            "data_folder_out": str(base / "queue"),
+            "control_folder": str(base / "control"),
+            "polling_interval": 0.1,
+        }
+    else:
+        options = {"visibility_timeout": visibility or 300}
+        if visibility:
+            # Look for expired unacknowledged messages every second, not every 100 s.
+            options.update(unacked_restore_interval=1, unacked_restore_throttle=1)
+    app.conf.update(
+        broker_url=url,
+        broker_transport_options=options,
+        broker_connection_retry_on_startup=True,
+        task_default_queue=queue,
+        task_ignore_result=True,
+        result_backend=None,
+        worker_prefetch_multiplier=1,
+        # How long the pool waits for a killed child's result before requeueing its task
+        # (reject_on_worker_lost); the default 10 s only slows the SIGKILL test down.
+        worker_lost_wait=1.0,
+        worker_hijack_root_logger=False,
+    )
+
+
+if os.environ.get(DIR_ENV):  # in a worker started by the tests
+    configure(
+        Path(os.environ[DIR_ENV]), os.environ[QUEUE_ENV],
+        float(os.environ[VISIBILITY_ENV]) if os.environ.get(VISIBILITY_ENV) else None,
+    )
+
+
+def base_dir() -> Path:
+    return Path(os.environ[DIR_ENV])
+
+
+def record(kind: str, **data: Any) -> None:
+    """Append one event line, stamped with the pid and the database clock."""
+    from distlock.db import db_now_us
+
+    line = json.dumps({"kind": kind, "pid": os.getpid(), "db_us": db_now_us("default"), **data})
+    fd = os.open(base_dir() / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def wait_for_file(name: str, timeout: float = 60.0) -> bool:
+    """Block until the test creates ``name`` in the session folder (a go signal)."""
+    path = base_dir() / name
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _lease_event(kind: str, task: Any, key: str, lease: Any) -> None:
+    from distlock import current_lease
+    from distlock.models import EPOCH
+
+    def us(moment: Any) -> int:
+        delta = moment - EPOCH
+        return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+    record(
+        kind, task_id=task.request.id, key=key, retries=task.request.retries,
+        token=lease.token, owner=lease.owner, acquired_us=us(lease.acquired_at),
+        expires_us=us(lease.expires_at), current=current_lease() is lease,
+        redelivered=bool((task.request.delivery_info or {}).get("redelivered")),
+    )
+
+
+def _make(policy: str, suffix: str = "", **options: Any) -> Any:
+    @app.task(bind=True, name=f"tests.hold_{policy}{suffix}")
+    @locked_task("test:{key}", ttl=options.pop("ttl", 30), on_contention=policy, **options)
+    def hold(self: Any, key: str, seconds: float = 0.0, *, lease: Any) -> int:
+        """Hold the lock ``seconds`` (or until the test's go file ``key`` appears)."""
+        _lease_event("start", self, key, lease)
+        if seconds < 0:
+            wait_for_file(f"go-{key}")
+        else:
+            time.sleep(seconds)
+        _lease_event("end", self, key, lease)
+        return lease.token
+
+    return hold
+
+
+hold_wait = _make("wait", timeout=30)
+hold_wait_short = _make("wait", "_short", timeout=0.5)
+hold_skip = _make("skip")
+hold_retry = _make("retry", countdown=0.2, jitter=0.1, max_retries=50)
+hold_retry_once = _make("retry", "_once", countdown=0.1, jitter=False, max_retries=1)
+hold_raise = _make("raise")
+hold_renewed = _make("raise", "_renewed", ttl=1.5, auto_renew=True)
+
+
+@app.task(bind=True, name="tests.retry_self")
+@locked_task("test:{key}", ttl=30, on_contention="skip")
+def retry_self(self: Any, key: str, *, lease: Any) -> int:
+    """Ask for a retry on the first run: the retried run must get a new, higher token.
+
+    The retry is queued (countdown 0) half a second before this run leaves the body and
+    releases, so the other pool child starts it while the lock is still held by this
+    run; it must wait for that release rather than skip.
+    """
+    _lease_event("start", self, key, lease)
+    if self.request.retries == 0:
+        retry = self.retry(countdown=0, max_retries=3, throw=False)
+        time.sleep(0.5)
+        raise retry
+    _lease_event("end", self, key, lease)
+    return lease.token
+
+
+@app.task(bind=True, name="tests.late_skip", acks_late=True)
+@locked_task("test:{key}", ttl=30, on_contention="skip")
+def late_skip(self: Any, key: str, *, lease: Any) -> int:
+    """acks_late and skip: a redelivered copy meeting the running first copy skips."""
+    _lease_event("start", self, key, lease)
+    wait_for_file(f"go-{key}")
+    _lease_event("end", self, key, lease)
+    return lease.token
+
+
+@app.task(bind=True, name="tests.killable", acks_late=True, reject_on_worker_lost=True)
+@locked_task("test:{key}", ttl=2, on_contention="wait", timeout=30)
+def killable(self: Any, key: str, *, lease: Any) -> int:
+    """The test SIGKILLs the child running the first copy; the requeued copy runs once."""
+    _lease_event("start", self, key, lease)
+    wait_for_file(f"go-{key}")
+    _lease_event("end", self, key, lease)
+    return lease.token
+
+
+@app.task(name="tests.unbound")
+@locked_task(lambda key: f"test:{key}", ttl=30, on_contention="raise")
+def unbound(key: str) -> None:
+    """Not bound, name from a callable: the lease comes from current_lease()."""
+    from distlock import current_lease
+
+    lease = current_lease()
+    record("unbound", key=key, token=lease.token if lease else None)
+
+
+@receiver(task_lock_busy)
+def _busy(sender: Any, name: str, policy: str, task_id: str | None, retries: int,
+          countdown: float | None, **kwargs: Any) -> None:
+    request = getattr(sender, "request", None)
+    record(
+        "busy", task_id=task_id, name=name, policy=policy, retries=retries,
+        countdown=countdown,
+        redelivered=bool((getattr(request, "delivery_info", None) or {}).get("redelivered")),
+    )
+
+
+@signals.task_failure.connect
+def _failed(sender: Any = None, task_id: str | None = None, exception: Any = None,
+            **kwargs: Any) -> None:
+    record("failed", task_id=task_id, error=type(exception).__name__, message=str(exception))
+
+
+@signals.worker_ready.connect
+def _ready(sender: Any = None, **kwargs: Any) -> None:
+    (base_dir() / f"ready-{sender.hostname}").write_text(str(os.getpid()))

@@ -1,0 +1,340 @@
+"""distlock.celery with real ``celery worker`` processes (tests/celery_app.py).
+
+The broker is the filesystem transport, or Redis on the PostgreSQL run when
+DISTLOCK_TEST_REDIS is configured (tests.celery_app.broker_url; DISTLOCK_TEST_BROKER
+forces one). Workers use the pytest test database. Nothing here runs a task eagerly,
+except the one test that only checks a log line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery, shared_task
+from kombu import Exchange, Queue
+
+from distlock import acquire, current_lease
+from distlock.celery import LockContended, locked_task, visibility_timeout
+from distlock.db import db_now_us
+from distlock.models import EPOCH, Lock
+from tests.celery_app import (
+    app,
+    broker_url,
+    configure,
+    hold_raise,
+    hold_renewed,
+    hold_retry,
+    hold_retry_once,
+    hold_skip,
+    hold_wait,
+    hold_wait_short,
+    killable,
+    late_skip,
+    retry_self,
+    unbound,
+)
+from tests.celery_workers import Events, Worker
+
+pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
+
+REDIS = broker_url().startswith("redis")
+
+
+def us(moment) -> int:
+    delta = moment - EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+class Setup:
+    def __init__(self, base: Path, queue: str, worker: Worker) -> None:
+        self.base, self.queue, self.worker = base, queue, worker
+        self.events = Events(base)
+
+    def go(self, key: str) -> None:
+        (self.base / f"go-{key}").touch()
+
+
+@pytest.fixture(scope="module")
+def celery(django_db_setup, tmp_path_factory) -> Iterator[Setup]:
+    """One prefork worker (2 children) for the module, on the session's own queue."""
+    base = tmp_path_factory.mktemp("celery")
+    queue = f"distlock-test-{uuid.uuid4().hex[:8]}"
+    configure(base, queue)
+    worker = Worker(base, queue)
+    try:
+        worker.wait_ready()
+        yield Setup(base, queue, worker)
+    finally:
+        worker.stop()
+        if REDIS:
+            drop_queue(queue)
+
+
+def drop_queue(queue: str) -> None:
+    """Delete a Redis queue of this session and its exchange binding."""
+    with app.connection_for_write() as conn:
+        # Declared as Celery declares it, so that deleting it also drops its binding.
+        bound = Queue(queue, Exchange(queue), routing_key=queue)(conn.default_channel)
+        bound.declare()
+        bound.delete()
+
+
+def key() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def released(name: str, timeout: float = 10.0) -> Lock:
+    """The lock row once it is free: the tasks record "end" just before they release."""
+    deadline = time.monotonic() + timeout
+    while not (row := Lock.objects.get(name=name)).is_free:
+        assert time.monotonic() < deadline, f"{name} still held: {row.holder}"
+        time.sleep(0.05)
+    return row
+
+
+# --- without a worker: the decorator's contract --------------------------------------
+
+
+def test_lease_is_hidden_from_the_signature_and_celery_still_checks_arguments():
+    assert "lease" not in inspect.signature(hold_wait.run).parameters
+    assert list(inspect.signature(hold_wait.run).parameters) == ["key", "seconds"]
+    for bad in [(), ("k", 1, 2)]:
+        with pytest.raises(TypeError):
+            hold_wait.delay(*bad)
+    with pytest.raises(TypeError):
+        hold_wait.delay("k", lease="forged")
+
+
+def test_bad_decorator_arguments_are_refused_at_decoration():
+    other = Celery("order-check", set_as_current=False)
+
+    def misplaced():
+        pass
+
+    task = other.task(name="tests.misplaced")(misplaced)
+    with pytest.raises(TypeError, match="under @shared_task"):
+        locked_task("x")(task)
+    with pytest.raises(TypeError, match="under @shared_task"):
+        locked_task("x")(shared_task(name="tests.misplaced_shared")(misplaced))
+    with pytest.raises(ValueError, match="on_contention"):
+        locked_task("x", on_contention="sometimes")
+    with pytest.raises(ValueError, match="invoice"):
+        locked_task("x:{invoice}")(lambda self, invoice_id: None)
+    with pytest.raises(TypeError, match="keyword-only"):
+        locked_task("x")(lambda self, lease: None)
+    with pytest.raises(ValueError, match="countdown"):
+        locked_task("x", countdown=-1)
+    with pytest.raises(ValueError, match="max_retries"):
+        locked_task("x", max_retries=-1)
+    with pytest.raises(ValueError, match="ttl"):
+        locked_task("x", ttl=0)
+    with pytest.raises(TypeError):
+        locked_task(42)
+
+
+def test_visibility_timeout_of_brokers_and_the_warning(caplog):
+    redis_app = Celery("vt", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    assert visibility_timeout(redis_app) == 3600
+    redis_app.conf.broker_transport_options = {"visibility_timeout": 10}
+    assert visibility_timeout(redis_app) == 10
+    assert visibility_timeout(Celery("fs", broker="filesystem://", set_as_current=False)) is None
+
+    @redis_app.task(bind=True, name="tests.long_ttl")
+    @locked_task("test:{key}", ttl=60, on_contention="raise")
+    def long_ttl(self, key, *, lease):
+        return lease.token
+
+    with caplog.at_level(logging.WARNING, logger="distlock.celery"):
+        token = long_ttl("vt")  # runs the body here: only the warning is under test
+    assert token >= 1 and Lock.objects.get(name="test:vt").is_free
+    assert "longer than the broker visibility timeout 10 s" in caplog.text
+
+
+# --- with a real worker ----------------------------------------------------------------
+
+
+def test_same_key_tasks_never_overlap_and_tokens_increase(celery):
+    k = key()
+    ids = [hold_wait.delay(k, 0.3).id for _ in range(6)]
+    ends = celery.events.wait(6, kind="end", key=k, timeout=60)
+    starts = sorted(celery.events.all(kind="start", key=k), key=lambda e: e["token"])
+    assert sorted(e["task_id"] for e in starts) == sorted(ids)
+    tokens = [e["token"] for e in starts]
+    assert tokens == list(range(tokens[0], tokens[0] + 6))
+    end_of = {e["token"]: e["db_us"] for e in ends}
+    for earlier, later in zip(starts, starts[1:], strict=False):
+        # Granted only after the previous holder finished its body (and released).
+        assert later["acquired_us"] >= end_of[earlier["token"]]
+    assert all(e["current"] for e in starts)  # current_lease() is the injected lease
+    assert len({e["pid"] for e in starts}) == 2  # both pool children took part
+    released(f"test:{k}")
+
+
+def test_skip_does_not_run_the_body_and_says_so(celery):
+    k = key()
+    held = acquire(f"test:{k}", ttl=30)
+    skipped = hold_skip.delay(k).id
+    busy = celery.events.wait(kind="busy", task_id=skipped)
+    assert busy[0]["policy"] == "skip" and busy[0]["name"] == f"test:{k}"
+    assert held.release() is True
+    ran = hold_skip.delay(k).id
+    celery.events.wait(kind="end", task_id=ran)
+    assert celery.events.all(kind="start", task_id=skipped) == []
+    assert "skipped, the task did not run" in celery.worker.tail(200)
+
+
+def test_retry_retries_with_countdown_then_runs_with_a_higher_token(celery):
+    k = key()
+    held = acquire(f"test:{k}", ttl=30)
+    task_id = hold_retry.delay(k).id
+    busy = celery.events.wait(3, kind="busy", task_id=task_id)
+    assert [e["retries"] for e in busy[:3]] == [0, 1, 2]
+    assert all(e["policy"] == "retry" and 0.2 <= e["countdown"] <= 0.3 for e in busy)
+    assert held.release() is True
+    start = celery.events.wait(kind="start", task_id=task_id)[0]
+    assert start["retries"] >= 3 and start["token"] > held.token
+    celery.events.wait(kind="end", task_id=task_id)
+
+
+def test_retry_gives_up_after_max_retries(celery):
+    k = key()
+    held = acquire(f"test:{k}", ttl=30)
+    task_id = hold_retry_once.delay(k).id
+    failed = celery.events.wait(kind="failed", task_id=task_id)[0]
+    assert failed["error"] == LockContended.__name__
+    assert [e["retries"] for e in celery.events.all(kind="busy", task_id=task_id)] == [0, 1]
+    assert celery.events.all(kind="start", task_id=task_id) == []
+    assert held.release() is True
+
+
+def test_wait_gets_the_lock_when_the_holder_expires(celery):
+    k = key()
+    held = acquire(f"test:{k}", ttl=1.5)  # never released: it must expire
+    task_id = hold_wait.delay(k).id
+    start = celery.events.wait(kind="start", task_id=task_id)[0]
+    assert start["token"] == held.token + 1
+    assert start["acquired_us"] >= us(held.expires_at)
+    celery.events.wait(kind="end", task_id=task_id)
+    assert held.release() is False
+
+
+def test_wait_is_bounded_and_raise_raises(celery):
+    k = key()
+    held = acquire(f"test:{k}", ttl=30)
+    waited = hold_wait_short.delay(k).id
+    raised = hold_raise.delay(k).id
+    failed = {e["task_id"]: e for e in celery.events.wait(2, kind="failed",
+                                                             where=lambda e: e["task_id"] in
+                                                             (waited, raised))}
+    assert failed[waited]["error"] == "LockTimeout"
+    assert failed[raised]["error"] == "LockContended"
+    policies = {e["task_id"]: e["policy"] for e in celery.events.all(kind="busy")}
+    assert policies[waited] == "wait" and policies[raised] == "raise"
+    assert held.release() is True
+
+
+def test_auto_renew_keeps_a_long_task_holding_past_its_ttl(celery):
+    k = key()
+    name = f"test:{k}"
+    task_id = hold_renewed.delay(k, -1).id  # holds until the go file, with a 1.5 s ttl
+    start = celery.events.wait(kind="start", task_id=task_id)[0]
+    give_up = start["expires_us"] + 10_000_000
+    while Lock.objects.get(name=name).renew_count < 4:  # renewed every 0.5 s
+        assert db_now_us("default") < give_up, "the lease was not renewed"
+        time.sleep(0.05)
+    assert db_now_us("default") > start["expires_us"]  # past the ttl it was granted...
+    assert acquire(name, ttl=1, blocking=False) is None  # ...and still held
+    row = Lock.objects.get(name=name)
+    assert row.token == start["token"] and row.expires_us > start["expires_us"]
+    celery.go(k)
+    end = celery.events.wait(kind="end", task_id=task_id)[0]
+    assert end["token"] == start["token"] and end["db_us"] > start["expires_us"]
+    released(name)
+
+
+def test_a_retried_task_releases_and_gets_a_higher_token(celery):
+    k = key()
+    task_id = retry_self.delay(k).id
+    end = celery.events.wait(kind="end", task_id=task_id)[0]
+    first, second = celery.events.all(kind="start", task_id=task_id)
+    assert (first["retries"], second["retries"]) == (0, 1)
+    # The retry was queued while the first run still held the lock; with "skip" it would
+    # have been dropped had it not waited for its own previous run's release.
+    assert second["token"] == first["token"] + 1 and first["owner"] != second["owner"]
+    assert celery.events.all(kind="busy", task_id=task_id) == []
+    assert released(f"test:{k}").token == end["token"]
+
+
+def test_unbound_task_with_a_callable_name_sees_current_lease(celery):
+    k = key()
+    unbound.delay(k)
+    event = celery.events.wait(kind="unbound", key=k)[0]
+    assert event["token"] == Lock.objects.get(name=f"test:{k}").token
+    assert current_lease() is None
+
+
+def test_acks_late_duplicate_while_the_first_copy_runs_cannot_enter(celery):
+    """A second delivery of the same message (same task id) meets the first copy's lock.
+
+    On the filesystem broker a redelivery is made by sending the message again with the
+    same id, which is what the broker does; the Redis variant below waits for a real
+    visibility-timeout redelivery.
+    """
+    k = key()
+    first = late_skip.delay(k)
+    start = celery.events.wait(kind="start", task_id=first.id)[0]
+    late_skip.apply_async((k,), task_id=first.id)
+    busy = celery.events.wait(kind="busy", task_id=first.id)[0]
+    celery.go(k)
+    end = celery.events.wait(kind="end", task_id=first.id)[0]
+    assert len(celery.events.all(kind="start", task_id=first.id)) == 1
+    assert start["db_us"] < busy["db_us"] < end["db_us"]
+    assert busy["policy"] == "skip"
+
+
+@pytest.mark.skipif(not REDIS, reason="visibility-timeout redelivery needs Redis")
+def test_redis_visibility_timeout_redelivery_cannot_enter(celery):
+    queue = f"{celery.queue}-vt"
+    worker = Worker(celery.base, queue, visibility=2)
+    try:
+        worker.wait_ready()
+        k = key()
+        first = late_skip.apply_async((k,), queue=queue)
+        start = celery.events.wait(kind="start", task_id=first.id)[0]
+        busy = celery.events.wait(kind="busy", task_id=first.id, timeout=30)[0]
+        assert busy["redelivered"] is True and busy["policy"] == "skip"
+        celery.go(k)
+        end = celery.events.wait(kind="end", task_id=first.id)[0]
+        assert len(celery.events.all(kind="start", task_id=first.id)) == 1
+        assert start["db_us"] < busy["db_us"] < end["db_us"]
+    finally:
+        worker.stop()
+        drop_queue(queue)
+
+
+def test_sigkilled_child_frees_the_lock_at_its_ttl_and_the_task_runs_once(celery):
+    k = key()
+    task_id = killable.delay(k).id
+    first = celery.events.wait(kind="start", task_id=task_id)[0]
+    # The pool child running the task: a process of the worker this test started.
+    os.kill(first["pid"], signal.SIGKILL)
+    celery.go(k)
+    end = celery.events.wait(kind="end", task_id=task_id, timeout=60)[0]
+    starts = celery.events.all(kind="start", task_id=task_id)
+    assert len(starts) == 2
+    second = starts[1]
+    assert second["pid"] != first["pid"]
+    assert second["token"] == first["token"] + 1
+    # The dead holder's lease was not released: the requeued copy got it at its expiry.
+    assert second["acquired_us"] >= first["expires_us"]
+    assert end["token"] == second["token"]
+    assert len(celery.events.all(kind="end", task_id=task_id)) == 1
+    released(f"test:{k}")

@@ -1,0 +1,158 @@
+"""The contention demo, run as a user runs it: ``manage.py contention_demo`` with small
+numbers, on the embedded defaults (a fresh SQLite file, the filesystem broker) in the
+SQLite run, and on a fresh database of the configured server (with Redis in the PostgreSQL
+run, as for the Celery tests) in the PostgreSQL and MariaDB runs.
+
+It cannot flake on timing: a stalled holder stays stalled until its lease has expired and
+the next holder has read the balance, so every stall is overtaken in both modes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from django.conf import settings
+
+from tests.celery_app import broker_url
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.processes
+
+
+def _server_database(create: bool) -> str:
+    """Create (or drop) the demo's own database on the test server; return its URL."""
+    server = settings.DATABASES["default"]
+    name = f"test_distlock_demo{os.environ.get('DISTLOCK_TEST_DB_SUFFIX', '')}"
+    auth = quote(str(server["USER"]))
+    if server.get("PASSWORD"):
+        auth += ":" + quote(str(server["PASSWORD"]))
+    where = f"{auth}@{server['HOST']}:{server['PORT']}"
+    if server["ENGINE"].endswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(f"postgresql://{where}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            if create:
+                conn.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql://{where}/{name}"
+    import MySQLdb
+
+    conn = MySQLdb.connect(
+        host=server["HOST"], port=int(server["PORT"] or 3306), user=server["USER"],
+        password=server.get("PASSWORD") or "",
+    )
+    try:
+        conn.cursor().execute(f"DROP DATABASE IF EXISTS `{name}`")
+        if create:
+            conn.cursor().execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+    finally:
+        conn.close()
+    return f"mysql://{where}/{name}"
+
+
+@pytest.fixture
+def demo_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The demo's environment: embedded defaults on SQLite, else the test servers."""
+    env = {
+        key: value for key, value in os.environ.items()
+        if not key.startswith(("DATABASE_URL", "CELERY_", "DJANGO_SETTINGS", "DISTLOCK_TEST"))
+    }
+    env["DEMO_BROKER_DIR"] = str(tmp_path / "broker")
+    if settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+        env["DATABASE_URL"] = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
+        yield env
+        return
+    env["DATABASE_URL"] = _server_database(create=True)
+    if broker_url() != "filesystem://":
+        env["CELERY_BROKER_URL"] = broker_url()
+    try:
+        yield env
+    finally:
+        _server_database(create=False)
+
+
+def run_demo(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "manage.py", "contention_demo", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_demo_fenced_loses_nothing_and_unfenced_loses_updates(tmp_path, demo_env):
+    out = tmp_path / "result.json"
+    done = run_demo(
+        demo_env, "--workers", "2", "--tasks", "5", "--pause-grants", "2", "--ttl", "0.5",
+        "--work", "0.05", "--json", str(out),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())["modes"]
+    fenced, unfenced = result["fenced"], result["unfenced"]
+    assert fenced["complete"] and unfenced["complete"]
+    # Fenced: the stalled holder's write was refused, it retried, nothing was lost.
+    assert fenced["lost_updates"] == 0 and fenced["final"] == 5
+    assert len(fenced["stale_writes_refused"]) == 1 and fenced["stale_writes_accepted"] == []
+    assert fenced["retries"] == 1 and fenced["grants"] == 6
+    # Unfenced: the same stall overwrote the next holder's deposit.
+    assert unfenced["lost_updates"] >= 1 and unfenced["final"] <= 4
+    assert len(unfenced["stale_writes_accepted"]) == 1
+    for mode in (fenced, unfenced):
+        assert mode["tokens_strictly_increasing"] and len(mode["workers"]) == 2
+        ((token, _, taken_by),) = mode["stalled"]
+        assert taken_by == token + 1
+    assert "lost updates 0" in done.stdout and "admin: http://127.0.0.1:8000/admin/" in done.stdout
+    # The workers were stopped: nothing is left in their process group.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(json.loads(out.read_text())["process_group"], 0)
+
+
+def test_ctrl_c_stops_the_workers(tmp_path, demo_env):
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "contention_demo", "--tasks", "200"],
+        cwd=ROOT, env={**demo_env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        group = None
+        for line in proc.stdout:
+            if "process group" in line:
+                group = int(line.split("process group ")[1].split(",")[0])
+            if group is not None and "grant" in line:  # tasks are running: interrupt now
+                break
+        assert group is not None, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and "interrupted; the workers were stopped" in err
+    with pytest.raises(ProcessLookupError):
+        os.killpg(group, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "1"], "at least 2"),
+        (["--tasks", "3", "--pause-grants", "3"], "below --tasks"),
+        (["--ttl", "-1"], "--ttl"),
+        (["--mode", "sometimes"], "--mode"),
+    ],
+)
+def test_demo_refuses_bad_options(tmp_path, args, message):
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{tmp_path / 'demo.sqlite3'}",
+           "DEMO_BROKER_DIR": str(tmp_path / "broker")}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    done = run_demo(env, *args, timeout=60)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert not (tmp_path / "demo.sqlite3").exists()  # refused before touching anything
