@@ -48,6 +48,9 @@ def check_seconds(value: object, what: str) -> float:
         raise TypeError(
             f"{what} must be a number of seconds or a timedelta, not {type(value).__name__}"
         )
+    if isinstance(value, Decimal) and value.is_snan():
+        # float() of a signalling NaN raises a message that does not say which argument.
+        raise ValueError(f"{what} must be finite, not {value}")
     seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if math.isnan(seconds) or math.isinf(seconds):
         raise ValueError(f"{what} must be finite, not {seconds}")

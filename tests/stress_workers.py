@@ -1,0 +1,287 @@
+"""The worker of the stress harness: ``python -m tests.worker tests.stress_workers:run ARGS``.
+
+Loop until the stop file appears: pick a lock, acquire → read the Resource → hold →
+fenced write (value = read + 1) with its Write row in the same transaction → release.
+Every step's outcome is printed as one JSON line (the harness sends stdout to this
+worker's history file); ``ok`` means the call returned, ``info`` that it raised a
+database error and the outcome is unknown to this worker.
+
+Two test-only weakenings let the checker prove it can fail (tests/test_history.py):
+
+* ``fencing=False``: the write is a plain UPDATE, as if FencedModel did not exist;
+* ``weak_clock=True``: acquire decides with the database clock as it was read when the
+  call began (like PostgreSQL's ``now()``, frozen at the start of a transaction), and the
+  request then takes up to 200 ms to reach the row lock, as a slow network or a GC pause
+  would make it. Nothing in distlock changes: the patch lives in this process only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+HOLDS = ((0.7, 0.0, 0.05), (0.2, 0.05, 0.3))  # (probability, min s, max s); else > ttl
+
+
+def record(**fields: Any) -> None:
+    fields["pid"] = os.getpid()
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def hold_time(rng: random.Random, ttl: float) -> float:
+    """Mostly short holds; one in ten longer than the ttl, so leases run out mid-hold."""
+    draw = rng.random()
+    for probability, low, high in HOLDS:
+        if draw < probability:
+            return rng.uniform(low, high)
+        draw -= probability
+    return 1.5 * ttl
+
+
+def name_connections(worker: str) -> None:
+    """Tag this worker's PostgreSQL sessions so the nemesis can find and terminate them."""
+    from django.db import connections
+
+    for alias in connections:
+        settings_dict = connections[alias].settings_dict
+        if settings_dict["ENGINE"].endswith("postgresql"):
+            settings_dict.setdefault("OPTIONS", {})["application_name"] = (
+                f"distlock-worker-{worker}"
+            )
+
+
+def weaken_clock(rng: random.Random) -> None:
+    """Make this process's acquire use a stale clock (the self-test's weakened build)."""
+    from distlock import db, locks
+
+    real_now_sql = db.now_sql
+    frozen = threading.local()
+    real_try_once = locks._try_once
+
+    def now_sql(connection: Any) -> str:
+        value = getattr(frozen, "us", None)
+        return real_now_sql(connection) if value is None else str(int(value))
+
+    def try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> Any:
+        frozen.us = db.db_now_us(alias)
+        time.sleep(rng.uniform(0.0, 0.2))
+        try:
+            return real_try_once(alias, name, owner, holder, ttl_us)
+        finally:
+            frozen.us = None
+
+    def acquire_existing(
+        connection: Any, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Any:
+        # distlock's portable path (PostgreSQL's server-side function reads the real
+        # clock itself), deciding with whatever now_sql() says.
+        row = db._lock_row(connection, cursor, name)
+        if row is None:
+            return None
+        token, current_owner, current_holder, expires_us = row
+        now = db.now_sql(connection)
+        granted = db._update_returning(
+            connection, cursor,
+            f"UPDATE {db.TABLE} SET token = token + 1, owner = %s, holder = %s, "
+            f"acquired_us = {now}, renewed_us = NULL, expires_us = {now} + %s, "
+            f"renew_count = 0 WHERE name = %s AND (owner = '' OR expires_us <= {now})",
+            [owner, holder, ttl_us, name],
+            "token, acquired_us, expires_us", name,
+        )
+        if granted is not None:
+            return db.Grant(*granted, took_over=current_holder if current_owner else "")
+        return db.Busy(token, current_holder, max(0, expires_us - int(frozen.us)))
+
+    db.now_sql = now_sql
+    db.acquire_existing = acquire_existing
+    locks._try_once = try_once
+
+
+def write(lease: Any, name: str, read_value: int, op_id: str, worker: str,
+          fencing: bool) -> int:
+    """The guarded write and its ground-truth row, in one transaction. Returns the version."""
+    from django.db import transaction
+    from django.db.models import F
+
+    from distlock.db import db_now_us
+    from tests.stressapp.models import Resource, Write
+
+    with transaction.atomic():
+        before = db_now_us("default")
+        rows = Resource.objects.filter(name=name)
+        changes = {"value": read_value + 1, "version": F("version") + 1}
+        count = rows.fenced_update(lease, **changes) if fencing else rows.update(**changes)
+        if count != 1:
+            raise RuntimeError(f"write to {name} changed {count} rows")
+        version = rows.values_list("version", flat=True).get()
+        Write.objects.create(
+            name=name, version=version, op_id=op_id, worker=worker, token=lease.token,
+            read_value=read_value, new_value=read_value + 1, before_us=before,
+            after_us=db_now_us("default"),
+        )
+    return version
+
+
+def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
+        fencing: bool = True, weak_clock: bool = False, limit: float = 600.0) -> None:
+    import django.db
+    from django.db import DatabaseError, connections
+
+    from distlock import acquire
+    from distlock.exceptions import LockLost, StaleToken
+    from tests.stressapp.models import Resource
+    from tests.worker import us
+
+    rng = random.Random(seed)
+    name_connections(worker)
+    if weak_clock:
+        weaken_clock(rng)
+    from distlock.db import db_now_us
+
+    # How far this process's wall clock is from the database's (faketime workers: ±30 s).
+    skew = time.time() - db_now_us("default") / 1e6
+    record(type="start", worker=worker, fencing=fencing, weak_clock=weak_clock,
+           skew=round(skew, 3))
+    give_up = time.monotonic() + limit
+    ops = 0
+
+    def failed(kind: str, exc: BaseException, **fields: Any) -> None:
+        record(type=kind, status="info", worker=worker, error=repr(exc)[:300], **fields)
+        # A broken connection (terminated backend, restart) is dropped here; the next
+        # call opens a new one.
+        django.db.close_old_connections()
+        for alias in connections:
+            connection = connections[alias]
+            if connection.connection is not None and not connection.is_usable():
+                connection.close()
+
+    while not os.path.exists(stop_path) and time.monotonic() < give_up:
+        ops += 1
+        op_id = f"{worker}:{ops}"
+        name = rng.choice(names)
+        try:
+            lease = acquire(name, ttl=ttl, timeout=3 * ttl)
+        except DatabaseError as exc:
+            failed("acquire", exc, lock=name, op_id=op_id)
+            continue
+        if lease is None:
+            record(type="acquire", status="fail", worker=worker, lock=name, op_id=op_id)
+            continue
+        record(
+            type="acquire", status="ok", worker=worker, lock=name, op_id=op_id,
+            token=lease.token, owner=lease.owner, acquired_us=us(lease.acquired_at),
+            expires_us=us(lease.expires_at),
+        )
+        try:
+            value = Resource.objects.values_list("value", flat=True).get(name=name)
+        except DatabaseError as exc:
+            failed("read", exc, lock=name, op_id=op_id)
+        else:
+            hold = hold_time(rng, ttl)
+            if hold > ttl / 2 and rng.random() < 0.5:
+                # Half of the long holds renew half-way, so renewals meet the nemesis too.
+                time.sleep(ttl / 2)
+                hold -= ttl / 2
+                try:
+                    lease.renew()
+                except LockLost as exc:
+                    record(type="renew", status="lost", worker=worker, lock=name,
+                           op_id=op_id, token=lease.token, reason=exc.reason)
+                except DatabaseError as exc:
+                    failed("renew", exc, lock=name, op_id=op_id, token=lease.token)
+                else:
+                    record(type="renew", status="ok", worker=worker, lock=name,
+                           op_id=op_id, token=lease.token, expires_us=us(lease.expires_at))
+            time.sleep(hold)
+            record(type="write", status="invoke", worker=worker, lock=name, op_id=op_id,
+                   token=lease.token)
+            try:
+                version = write(lease, name, value, op_id, worker, fencing)
+            except StaleToken as exc:
+                record(type="write", status="rejected", worker=worker, lock=name,
+                       op_id=op_id, token=lease.token, error=str(exc)[:200])
+            except DatabaseError as exc:
+                failed("write", exc, lock=name, op_id=op_id, token=lease.token)
+            else:
+                record(type="write", status="ok", worker=worker, lock=name, op_id=op_id,
+                       token=lease.token, version=version)
+        try:
+            held = lease.release()
+        except (DatabaseError, LockLost) as exc:
+            failed("release", exc, lock=name, op_id=op_id, token=lease.token)
+        else:
+            record(type="release", status="ok", worker=worker, lock=name, op_id=op_id,
+                   token=lease.token, held=held)
+    record(type="stop", worker=worker, ops=ops)
+
+
+def agent(label: str, name: str) -> None:
+    """A lock user driven command by command (tests/test_faults.py).
+
+    Commands: ``acquire`` (ttl, timeout), ``renew``, ``release``, ``write`` (fenced +1 on
+    the Resource of the lock), ``write_and_wait`` (the same, then waits for ``commit``
+    inside the open transaction), ``exit``. Database errors are reported as ``dberror``
+    events with the exception's class, and the broken connection is dropped, as a real
+    worker outside the request cycle must do.
+    """
+    import django.db
+    from django.db import DatabaseError, connections, transaction
+    from django.db.models import F
+
+    from distlock import LockLost, acquire
+    from distlock.exceptions import StaleToken
+    from tests.stressapp.models import Resource
+    from tests.worker import command, emit, lease_data
+
+    name_connections(f"agent-{label}")
+    lease = None
+
+    def dberror(exc: BaseException) -> None:
+        emit("dberror", kind=type(exc).__name__, error=str(exc)[:300])
+        django.db.close_old_connections()
+        for alias in connections:
+            connection = connections[alias]
+            if connection.connection is not None and not connection.is_usable():
+                connection.close()
+
+    def fenced_write(wait: bool) -> None:
+        with transaction.atomic():
+            Resource.objects.filter(name=name).fenced_update(lease, value=F("value") + 1)
+            if wait:
+                emit("uncommitted")
+                command()
+        emit("written", token=lease.token)
+
+    emit("ready")
+    while True:
+        order = command()
+        what = order["command"]
+        try:
+            if what == "acquire":
+                got = acquire(name, ttl=order["ttl"], timeout=order.get("timeout", 0))
+                if got is None:
+                    emit("busy")
+                else:
+                    lease = got
+                    emit("acquired", **lease_data(lease))
+            elif what == "renew":
+                lease.renew()
+                emit("renewed", **lease_data(lease))
+            elif what == "release":
+                emit("released", held=lease.release())
+            elif what in ("write", "write_and_wait"):
+                fenced_write(what == "write_and_wait")
+            elif what == "exit":
+                return
+        except LockLost as exc:
+            emit("lost", reason=exc.reason)
+        except StaleToken as exc:
+            emit("stale", error=str(exc))
+        except DatabaseError as exc:
+            dberror(exc)

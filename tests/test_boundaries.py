@@ -1,0 +1,102 @@
+"""S12: the instant a lease expires, with the database clock pinned to the microsecond.
+
+One half-open definition must hold everywhere: a lease is valid while ``now < expires``
+and may be taken over once ``now >= expires``, so there is no instant at which both the
+old holder's fenced write and a new grant are allowed. The database clock expression
+(``distlock.db.now_sql``) is replaced in this process by a literal, and every operation
+is tried at ``expires - 1 µs`` and at ``expires``.
+
+On PostgreSQL acquire, renew and release are server-side functions that read
+``clock_timestamp()`` themselves; there only the fenced write's ownership check (SQL built
+in Python) can be pinned, so the take-over half runs on SQLite and MariaDB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.db import connections
+from django.db.models import F
+
+from distlock import LockLost, acquire, db
+from distlock.exceptions import StaleToken
+from distlock.models import Lock
+from tests.stressapp.models import Resource
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+
+class Clock:
+    """The database clock as distlock's SQL sees it: real, or pinned to ``us``."""
+
+    def __init__(self) -> None:
+        self.us: int | None = None
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+    pinned = Clock()
+    real = db.now_sql
+
+    def now_sql(connection):
+        return real(connection) if pinned.us is None else str(pinned.us)
+
+    monkeypatch.setattr(db, "now_sql", now_sql)
+    yield pinned
+
+
+def server_side() -> bool:
+    return connections["default"].vendor == "postgresql"
+
+
+def write(lease) -> int:
+    return Resource.objects.filter(name=lease.name).fenced_update(
+        lease, value=F("value") + 1
+    )
+
+
+def test_the_fenced_write_is_allowed_until_the_last_microsecond_only(clock):
+    lease = acquire("edge:write", ttl=30)
+    Resource.objects.create(name="edge:write")
+    expires = Lock.objects.get(name="edge:write").expires_us
+
+    clock.us = expires - 1
+    assert write(lease) == 1, "refused while the lease was still valid"
+    clock.us = expires
+    with pytest.raises(StaleToken):
+        write(lease)
+    clock.us = None
+    assert Resource.objects.get(name="edge:write").value == 1
+
+
+@pytest.mark.skipif("server_side()", reason="PostgreSQL's acquire reads its own clock")
+def test_take_over_is_refused_until_expiry_and_granted_at_it(clock):
+    lease = acquire("edge:take", ttl=30)
+    expires = Lock.objects.get(name="edge:take").expires_us
+
+    clock.us = expires - 1
+    assert acquire("edge:take", ttl=5, blocking=False) is None, "taken over a live lease"
+    lease.renew(ttl=30)  # valid: renews to the pinned instant + 30 s
+    renewed = Lock.objects.get(name="edge:take")
+    assert renewed.renewed_us == expires - 1 and renewed.expires_us == expires - 1 + 30_000_000
+
+    expires = renewed.expires_us
+    clock.us = expires
+    taker = acquire("edge:take", ttl=5, blocking=False)
+    assert taker is not None and taker.token == lease.token + 1
+    row = Lock.objects.get(name="edge:take")
+    assert row.acquired_us == expires, "the grant must start where the old lease ended"
+    with pytest.raises(LockLost):
+        lease.renew()
+
+
+@pytest.mark.skipif("server_side()", reason="PostgreSQL's renew reads its own clock")
+def test_renewal_at_the_expiry_instant_is_refused(clock):
+    lease = acquire("edge:renew", ttl=30)
+    expires = Lock.objects.get(name="edge:renew").expires_us
+    clock.us = expires
+    with pytest.raises(LockLost, match="expired"):
+        lease.renew()
+    clock.us = None
+    assert Lock.objects.get(name="edge:renew").expires_us == expires

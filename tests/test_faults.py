@@ -1,0 +1,568 @@
+"""Database faults against a PRIVATE PostgreSQL server that this module starts itself.
+
+Never the shared server: ``initdb`` + ``pg_ctl`` into a temporary folder, on a free port
+on 127.0.0.1 (as the ``postgres`` user when the tests run as root, because initdb refuses
+root). The lock users are real processes (tests/stress_workers.py:agent) whose Django
+settings point at that server, directly or through a loopback TCP proxy of our own that
+can stop forwarding (a partition) or cut every connection.
+
+What must hold (DESIGN invariant 8, anchors-reliability.md S5–S7):
+
+* a restart, fast or immediate (a crash), keeps committed leases, gives a client whose
+  connection died a clean database error (and the next call reconnects), never a hang;
+  tokens keep increasing across it;
+* an acquire interrupted by a restart or by a killed backend, even during its COMMIT,
+  yields an exception or a lease the database really has — never a phantom lease; a
+  grant committed for a client that never heard of it blocks others for at most its ttl;
+* a holder cut off by a partition cannot write once a newer holder took over, and a
+  transaction it left open on the server cannot keep the lock row beyond
+  ``idle_in_transaction_session_timeout``.
+
+Runs in the PostgreSQL pass of the suite (DISTLOCK_TEST_BACKEND=postgresql), or with
+DISTLOCK_TEST_FAULTS=1; needs the PostgreSQL server binaries (DISTLOCK_PG_BIN, default:
+the newest /usr/lib/postgresql/*/bin).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.processes import ROOT, Child, Children
+
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
+
+WANTED = (
+    os.environ.get("DISTLOCK_TEST_BACKEND") == "postgresql"
+    or os.environ.get("DISTLOCK_TEST_FAULTS") == "1"
+)
+if not WANTED:
+    pytest.skip(
+        "database faults run in the PostgreSQL pass (DISTLOCK_TEST_BACKEND=postgresql) "
+        "or with DISTLOCK_TEST_FAULTS=1",
+        allow_module_level=True,
+    )
+
+psycopg = pytest.importorskip("psycopg")
+
+
+def pg_bin() -> Path:
+    if os.environ.get("DISTLOCK_PG_BIN"):
+        return Path(os.environ["DISTLOCK_PG_BIN"])
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name)
+    )
+    if not found:
+        pytest.skip("PostgreSQL server binaries not found (set DISTLOCK_PG_BIN)")
+    return Path(found[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until(condition, timeout: float, what: str, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(every)
+
+
+class Server:
+    """A throw-away PostgreSQL cluster on 127.0.0.1:<port>, database ``distlock``."""
+
+    def __init__(self) -> None:
+        self.bin = pg_bin()
+        self.dir = Path(tempfile.mkdtemp(prefix="distlock-pg-"))
+        self.data = self.dir / "data"
+        self.log = self.dir / "server.log"
+        self.port = free_port()
+        self.user: str | None = None
+        if os.geteuid() == 0:
+            try:
+                account = pwd.getpwnam("postgres")
+            except KeyError:
+                pytest.skip("running as root and there is no postgres user for initdb")
+            self.user = "postgres"
+            os.chown(self.dir, account.pw_uid, account.pw_gid)
+
+    def command(self, *args: str, timeout: float = 120) -> None:
+        program = [str(self.bin / args[0]), *args[1:]]
+        if self.user:
+            program = ["runuser", "-u", self.user, "--", *program]
+        done = subprocess.run(program, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+                f"\n{self.log.read_text() if self.log.exists() else ''}"
+            )
+
+    def start(self) -> None:
+        self.command(
+            "initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+            "--no-sync", "--locale=C",
+        )
+        with open(self.data / "postgresql.conf", "a") as conf:
+            conf.write(
+                f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
+                f"unix_socket_directories = '{self.dir}'\n"
+                "fsync = off\nmax_connections = 50\nshared_buffers = 16MB\n"
+                # The server-side net under a partition (S5): an open transaction whose
+                # client went silent is ended, and its row locks with it.
+                "idle_in_transaction_session_timeout = '3s'\n"
+            )
+        self.pg_ctl("start")
+        with self.connect("postgres") as admin:
+            admin.execute("CREATE DATABASE distlock")
+
+    def pg_ctl(self, action: str, *extra: str) -> None:
+        self.command("pg_ctl", action, "-D", str(self.data), "-l", str(self.log), "-w",
+                     "-t", "60", *extra)
+
+    def restart(self, mode: str) -> None:
+        self.pg_ctl("restart", "-m", mode)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pg_ctl("stop", "-m", "immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def url(self, port: int | None = None) -> str:
+        return f"postgresql://postgres@127.0.0.1:{port or self.port}/distlock"
+
+    def connect(self, dbname: str = "distlock"):
+        return psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname=dbname,
+            autocommit=True, connect_timeout=10,
+        )
+
+    def query(self, sql: str, params: list | None = None) -> list[tuple]:
+        with self.connect() as connection, connection.cursor() as cursor:
+            cursor.execute(sql, params or [])
+            return cursor.fetchall() if cursor.description else []
+
+    def env(self, port: int | None = None) -> dict[str, str]:
+        """Environment of a Django process that uses this server (or a proxy to it)."""
+        return {
+            "DJANGO_SETTINGS_MODULE": "tests.settings",
+            "DISTLOCK_TEST_BACKEND": "postgresql",
+            "DISTLOCK_TEST_POSTGRES": self.url(port),
+            "DISTLOCK_TEST_CHILD_DB": "distlock",
+            "PYTHONPATH": str(ROOT),
+        }
+
+    def migrate(self) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
+            capture_output=True, text=True, timeout=300, cwd=ROOT,
+            env={**os.environ, **self.env()},
+        )
+        assert done.returncode == 0, done.stderr
+
+    def lock_row(self, name: str) -> dict | None:
+        found = self.query(
+            "SELECT token, owner, acquired_us, expires_us, "
+            "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT) "
+            "FROM distlock_lock WHERE name = %s", [name],
+        )
+        if not found:
+            return None
+        token, owner, acquired_us, expires_us, now_us = found[0]
+        return {"token": token, "owner": owner, "acquired_us": acquired_us,
+                "expires_us": expires_us, "now_us": now_us}
+
+    def backend(self, label: str, **state: str) -> int | None:
+        """The pid of agent ``label``'s backend, optionally only in a given wait state."""
+        where = " AND ".join(f"{key} = %s" for key in state)
+        found = self.query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+            + (f" AND {where}" if where else ""),
+            [f"distlock-worker-agent-{label}", *state.values()],
+        )
+        return found[0][0] if found else None
+
+
+class Proxy:
+    """A loopback TCP proxy that can stop forwarding (partition) or cut every connection."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.closed = threading.Event()
+        self.sockets: list[socket.socket] = []
+        self.mutex = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            with self.mutex:
+                self.sockets += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                # A partition: hold what arrived, forward nothing, close nothing.
+                while not self.flowing.wait(0.05):
+                    if self.closed.is_set():
+                        return
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def partition(self) -> None:
+        self.flowing.clear()
+
+    def heal(self) -> None:
+        self.flowing.set()
+
+    def cut(self) -> None:
+        """Reset every open connection (a NAT or load balancer dropping them)."""
+        with self.mutex:
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            self.sockets.clear()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.flowing.set()
+        self.cut()
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    pg = Server()
+    try:
+        pg.start()
+        pg.migrate()
+        yield pg
+    finally:
+        pg.stop()
+
+
+@pytest.fixture
+def agents(server: Server) -> Iterator[Agents]:
+    group = Agents(server)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+class Agents(Children):
+    """Agent processes on the private server (directly or through a proxy)."""
+
+    def __init__(self, server: Server) -> None:
+        super().__init__()
+        self.server = server
+        self.proxies: list[Proxy] = []
+
+    def start_agent(self, label: str, name: str, proxy: Proxy | None = None) -> Child:
+        child = self.start(
+            "tests.stress_workers:agent", label, name,
+            env=self.server.env(proxy.port if proxy else None),
+        )
+        child.expect("ready", timeout=60)
+        return child
+
+    def proxy(self) -> Proxy:
+        proxy = Proxy(self.server.port)
+        self.proxies.append(proxy)
+        return proxy
+
+    def close(self) -> None:
+        super().close()
+        for proxy in self.proxies:
+            proxy.close()
+
+
+def send(agent: Child, command: str, **data) -> None:
+    agent.send(command, **data)
+
+
+def outcome(agent: Child, timeout: float = 30.0) -> dict:
+    """The agent's next event, whatever it is (expect() insists on one kind)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"{agent.role}: no event within {timeout} s")
+        try:
+            got = agent.events.get(timeout=left)
+        except queue.Empty:
+            continue
+        if got is None:
+            raise AssertionError(f"{agent.role} exited:\n" + "".join(agent.stderr[-30:]))
+        if got.get("event") == "error":
+            raise AssertionError(f"{agent.role} failed: {got}")
+        return got
+
+
+def make_free_row(server: Server, name: str) -> int:
+    """Create lock ``name`` free, with a resource row; return its token."""
+    server.query(
+        "INSERT INTO distlock_lock (name, token, owner, holder, acquired_us, renewed_us, "
+        "expires_us, renew_count) SELECT %s, COALESCE(MAX(token), 0) + 1, '', '', NULL, "
+        "NULL, 0, 0 FROM distlock_lock", [name],
+    )
+    server.query(
+        "INSERT INTO stressapp_resource (name, value, version, fence_token) "
+        "VALUES (%s, 0, 0, 0)", [name],
+    )
+    return server.lock_row(name)["token"]
+
+
+def resource(server: Server, name: str) -> tuple[int, int]:
+    return server.query(
+        "SELECT value, fence_token FROM stressapp_resource WHERE name = %s", [name]
+    )[0]
+
+
+# -- restarts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_restart_keeps_a_held_lease_and_the_holder_reconnects(server, agents, mode):
+    name = f"restart-held-{mode}"
+    make_free_row(server, name)
+    holder = agents.start_agent("H", name)
+    send(holder, "acquire", ttl=20)
+    held = holder.expect("acquired")
+
+    server.restart(mode)
+
+    # The holder's connection died with the server: its next call fails cleanly (or has
+    # already reconnected); the one after works, and the lease is still its own.
+    send(holder, "renew")
+    first = outcome(holder)
+    if first["event"] == "dberror":
+        assert first["kind"] in ("OperationalError", "InterfaceError"), first
+        send(holder, "renew")
+        first = outcome(holder)
+    assert first["event"] == "renewed" and first["token"] == held["token"], first
+    row = server.lock_row(name)
+    assert (row["owner"], row["token"]) == (held["owner"], held["token"])
+    assert row["expires_us"] > row["now_us"]
+
+    other = agents.start_agent("O", name)
+    send(other, "acquire", ttl=5)
+    assert outcome(other)["event"] == "busy", "a committed lease was lost in the restart"
+    send(holder, "release")
+    assert holder.expect("released")["held"] is True
+    send(other, "acquire", ttl=5)
+    assert other.expect("acquired")["token"] == held["token"] + 1
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_restart_during_acquire_gives_an_error_never_a_phantom(server, agents, mode):
+    name = f"restart-acquire-{mode}"
+    token = make_free_row(server, name)
+    waiter = agents.start_agent("W", name)
+    blocker = server.connect()
+    try:
+        # Keep the (free) row locked, so the acquire waits inside its transaction.
+        blocker.execute("SET idle_in_transaction_session_timeout = 0")
+        blocker.autocommit = False
+        blocker.execute("SELECT 1 FROM distlock_lock WHERE name = %s FOR UPDATE", [name])
+        send(waiter, "acquire", ttl=5, timeout=60)
+        wait_until(lambda: server.backend("W", wait_event_type="Lock"), 30,
+                   "the acquire waiting on the row lock")
+        server.restart(mode)
+    finally:
+        with contextlib.suppress(Exception):
+            blocker.close()
+    got = outcome(waiter)
+    assert got["event"] == "dberror", f"expected a clean error, got {got}"
+    assert got["kind"] in ("OperationalError", "InterfaceError"), got
+    row = server.lock_row(name)
+    assert (row["owner"], row["token"]) == ("", token), "the interrupted acquire was granted"
+
+    send(waiter, "acquire", ttl=5, timeout=30)
+    again = waiter.expect("acquired")
+    assert again["token"] == token + 1
+    row = server.lock_row(name)
+    assert (row["owner"], row["token"]) == (again["owner"], again["token"])
+
+
+# -- a connection killed during COMMIT -------------------------------------------------------
+
+SLOW_COMMIT = """
+CREATE OR REPLACE FUNCTION distlock_test_slow_commit() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.name LIKE 'slow-commit%%' THEN PERFORM pg_sleep(2); END IF;
+    RETURN NULL;
+END $$;
+DROP TRIGGER IF EXISTS distlock_test_slow_commit ON distlock_lock;
+CREATE CONSTRAINT TRIGGER distlock_test_slow_commit AFTER UPDATE ON distlock_lock
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION distlock_test_slow_commit();
+"""
+
+
+@pytest.fixture
+def slow_commit(server: Server) -> Iterator[None]:
+    """A test-only deferred trigger: the acquire's COMMIT sleeps 2 s (the window to kill)."""
+    with server.connect() as connection:
+        connection.execute(SLOW_COMMIT.replace("%%", "%"))
+    try:
+        yield
+    finally:
+        with server.connect() as connection:
+            connection.execute("DROP TRIGGER IF EXISTS distlock_test_slow_commit ON distlock_lock")
+
+
+def test_backend_terminated_during_commit_is_an_error_and_no_grant(server, agents, slow_commit):
+    name = "slow-commit-terminate"
+    token = make_free_row(server, name)
+    client = agents.start_agent("C", name)
+    send(client, "acquire", ttl=5, timeout=0)
+    pid = wait_until(lambda: server.backend("C", wait_event="PgSleep"), 30,
+                     "the acquire sleeping inside its COMMIT")
+    assert server.query("SELECT pg_terminate_backend(%s)", [pid]) == [(True,)]
+    got = outcome(client)
+    assert got["event"] == "dberror", f"expected a clean error, got {got}"
+    row = server.lock_row(name)
+    assert (row["owner"], row["token"]) == ("", token), "a terminated COMMIT left a grant"
+
+    send(client, "acquire", ttl=5, timeout=0)
+    again = client.expect("acquired")
+    row = server.lock_row(name)
+    assert (row["owner"], row["token"]) == (again["owner"], again["token"]) == (
+        again["owner"], token + 1,
+    )
+
+
+def test_connection_cut_during_commit_leaves_at_most_a_ghost_that_expires(
+    server, agents, slow_commit
+):
+    """The reply is lost but the COMMIT went through: the client must not think it holds
+    the lock, and the grant nobody knows about blocks others for at most its ttl."""
+    name = "slow-commit-cut"
+    token = make_free_row(server, name)
+    proxy = agents.proxy()
+    client = agents.start_agent("X", name, proxy=proxy)
+    send(client, "acquire", ttl=3, timeout=0)
+    wait_until(lambda: server.backend("X", wait_event="PgSleep"), 30,
+               "the acquire sleeping inside its COMMIT")
+    proxy.cut()
+    got = outcome(client)
+    assert got["event"] == "dberror", f"a cut connection must raise, got {got}"
+    # The server finished the COMMIT it was in: a grant exists that no client holds.
+    ghost = wait_until(
+        lambda: (row := server.lock_row(name))["token"] == token + 1 and row, 15,
+        "the COMMIT to finish on the server",
+    )
+    assert ghost["owner"] != "" and ghost["expires_us"] - ghost["acquired_us"] == 3_000_000
+
+    other = agents.start_agent("Y", name)
+    send(other, "acquire", ttl=5, timeout=20)
+    taken = other.expect("acquired", timeout=40)
+    assert taken["token"] == token + 2
+    assert taken["acquired_us"] >= ghost["expires_us"], "the ghost grant was ignored"
+    assert taken["acquired_us"] - ghost["expires_us"] < 5_000_000, "blocked beyond its ttl"
+
+
+# -- partitions ------------------------------------------------------------------------------
+
+
+def test_partitioned_holder_cannot_write_after_a_takeover(server, agents):
+    name = "partition-write"
+    make_free_row(server, name)
+    proxy = agents.proxy()
+    stale = agents.start_agent("P", name, proxy=proxy)
+    send(stale, "acquire", ttl=1.5)
+    old = stale.expect("acquired")
+
+    proxy.partition()
+    send(stale, "write")  # stuck in the partition until it heals
+    fresh = agents.start_agent("F", name)
+    send(fresh, "acquire", ttl=20, timeout=30)
+    new = fresh.expect("acquired", timeout=40)
+    assert new["token"] == old["token"] + 1
+    assert new["acquired_us"] >= old["expires_us"]
+    send(fresh, "write")
+    assert fresh.expect("written")["token"] == new["token"]
+
+    proxy.heal()
+    late = outcome(stale, timeout=40)
+    assert late["event"] == "stale", f"the partitioned holder's write was not refused: {late}"
+    assert resource(server, name) == (1, new["token"])
+    send(stale, "release")
+    assert stale.expect("released")["held"] is False
+    assert server.lock_row(name)["owner"] == new["owner"]
+    send(fresh, "release")
+    assert fresh.expect("released")["held"] is True
+
+
+def test_transaction_left_open_by_a_partition_cannot_keep_the_lock(server, agents):
+    """The holder's fenced write is in flight (row lock on the lock row) when its network
+    goes silent; idle_in_transaction_session_timeout ends it and the lock moves on."""
+    name = "partition-open-tx"
+    make_free_row(server, name)
+    proxy = agents.proxy()
+    stuck = agents.start_agent("S", name, proxy=proxy)
+    send(stuck, "acquire", ttl=1.5)
+    old = stuck.expect("acquired")
+    send(stuck, "write_and_wait")
+    stuck.expect("uncommitted")
+    proxy.partition()
+    send(stuck, "commit")  # the COMMIT goes into the partition
+
+    fresh = agents.start_agent("T", name)
+    send(fresh, "acquire", ttl=20, timeout=30)
+    new = fresh.expect("acquired", timeout=40)
+    assert new["token"] == old["token"] + 1
+    assert resource(server, name) == (0, 0), "the cut-off transaction's write committed"
+    send(fresh, "write")
+    fresh.expect("written")
+
+    proxy.heal()
+    late = outcome(stuck, timeout=40)
+    assert late["event"] == "dberror", f"the cut-off COMMIT must fail, got {late}"
+    assert resource(server, name) == (1, new["token"])
+    send(fresh, "release")
+    assert fresh.expect("released")["held"] is True
