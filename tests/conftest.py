@@ -1,33 +1,61 @@
 from __future__ import annotations
 
+import socket
+from urllib.parse import urlsplit
+
 import django
 import pytest
 from django.conf import settings
 from django.db import connection
 
+_SERVER: dict[str, str] = {}
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    """Say what this run tests: vendor, server version, Django and Python.
 
-    A configured server that cannot be reached fails the run here, before any test, rather
-    than letting database tests be skipped or errored one by one.
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Reach every configured server before any test runs; stop the run if one is down.
+
+    A server that is configured but unreachable fails the run (exit status 4) instead of
+    letting its tests be skipped or error one by one.
     """
     try:
-        connection.ensure_connection()
-        with connection.cursor() as cursor:
+        # A raw driver connection: pytest-django blocks Django's own until tests run.
+        raw = connection.get_new_connection(connection.get_connection_params())
+        try:
+            cursor = raw.cursor()
             if connection.vendor == "sqlite":
                 cursor.execute("SELECT sqlite_version()")
             else:
                 cursor.execute("SELECT version()")
-            version = cursor.fetchone()[0]
+            _SERVER["database"] = f"{connection.vendor} {cursor.fetchone()[0]}"
+        finally:
+            raw.close()
     except Exception as exc:
-        raise pytest.UsageError(
-            f"distlock tests: database {settings.DATABASES['default'].get('HOST') or ''}"
-            f" ({connection.vendor}) is configured but unreachable: {exc}"
-        ) from exc
-    finally:
-        connection.close()
-    return [f"distlock: database {connection.vendor} {version}; Django {django.__version__}"]
+        pytest.exit(
+            f"distlock tests: the {connection.vendor} database at "
+            f"{settings.DATABASES['default'].get('HOST') or 'localhost'} is configured but "
+            f"unreachable: {exc}",
+            returncode=4,
+        )
+
+    from tests.celery_app import broker_url
+
+    broker = broker_url()
+    if broker.startswith("redis://"):
+        address = urlsplit(broker)
+        try:
+            socket.create_connection((address.hostname, address.port or 6379), timeout=5).close()
+        except OSError as exc:
+            pytest.exit(f"distlock tests: Redis at {broker} is configured but unreachable: "
+                        f"{exc}", returncode=4)
+    _SERVER["broker"] = broker.split("//")[0] + "//" + (urlsplit(broker).netloc or "")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Say what this run tests: vendor, server version, Django (and the Celery broker)."""
+    return [
+        f"distlock: database {_SERVER.get('database')}; Django {django.__version__}; "
+        f"Celery broker {_SERVER.get('broker')}"
+    ]
 
 
 @pytest.fixture
