@@ -13,6 +13,8 @@ from typing import Any
 
 from celery import Celery, signals
 
+from demo_project import kombu_filesystem  # noqa: F401 - filesystem:// writes atomically
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "demo_project.settings")
 
 app = Celery("demo_project")

@@ -23,6 +23,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 from celery import Celery, signals  # noqa: E402 - the fixup needs the settings module set
 from django.dispatch import receiver  # noqa: E402
 
+from demo_project import kombu_filesystem  # noqa: E402, F401 - filesystem:// writes whole files
 from distlock.celery import locked_task, task_lock_busy  # noqa: E402
 
 DIR_ENV = "DISTLOCK_TEST_CELERY_DIR"
