@@ -202,12 +202,11 @@ def test_take_over_waits_for_a_paused_writers_commit(children):
     assert b.finish() == 0
 
 
-# 8 processes × 100 increments keeps the whole file near 40 s per backend on a shared
-# 2-core machine (each of the 16 pauses also blocks the lock for a ttl).
-# DISTLOCK_TEST_FENCE_INCREMENTS=200 runs the full 8 × 200: measured 18 s
-# (SQLite), 32 s (PostgreSQL), 23 s (MariaDB) for this test alone.
+# The 8 processes × 200 increments: measured 18 s (SQLite), 32 s (PostgreSQL),
+# 23 s (MariaDB) for this test alone on a shared 2-core machine (each of the 16 pauses
+# also blocks the lock for a ttl). DISTLOCK_TEST_FENCE_INCREMENTS sets another count.
 PROCESSES, PAUSES, STRESS_TTL = 8, 2, 0.4
-INCREMENTS = int(os.environ.get("DISTLOCK_TEST_FENCE_INCREMENTS", "100"))
+INCREMENTS = int(os.environ.get("DISTLOCK_TEST_FENCE_INCREMENTS", "200"))
 
 
 @pytest.mark.processes
