@@ -116,7 +116,6 @@ def acquire(
     if not isinstance(holder, str):
         raise TypeError(f"holder must be a str, not {type(holder).__name__}")
     alias = check_using(using)
-    db.refuse_atomic(alias)
     owner = uuid.uuid4().hex
     description = describe_holder(holder)
     ttl_us = round(seconds * 1e6)

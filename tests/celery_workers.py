@@ -20,9 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from django.db import connection
-
 from tests.celery_app import DIR_ENV, QUEUE_ENV, VISIBILITY_ENV
+from tests.processes import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 Event = dict[str, Any]
@@ -32,25 +31,18 @@ class Worker:
     """One ``celery worker`` process (prefork, ``concurrency`` children)."""
 
     def __init__(self, base: Path, queue: str, *, concurrency: int = 2,
-                 visibility: float | None = None) -> None:
-        self.hostname = f"distlock-test-{uuid.uuid4().hex[:8]}"
+                 visibility: float | None = None, app: str = "tests.celery_app",
+                 name: str = "distlock-test") -> None:
+        self.hostname = f"{name}-{uuid.uuid4().hex[:8]}"
         self.base = base
         self.log = base / f"{self.hostname}.log"
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "DISTLOCK_TEST_CHILD_DB": str(connection.settings_dict["NAME"]),
-            "PYTHONPATH": str(ROOT),
-            "TMPDIR": str(base / "tmp"),
-            DIR_ENV: str(base),
-            QUEUE_ENV: queue,
-        }
+        env = child_env(TMPDIR=str(base / "tmp"), **{DIR_ENV: str(base), QUEUE_ENV: queue})
         if visibility:
             env[VISIBILITY_ENV] = str(visibility)
         (base / "tmp").mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
+                [sys.executable, "-m", "celery", "-A", app, "worker",
                  "-P", "prefork", "-c", str(concurrency), "-Q", queue, "-n", f"{self.hostname}@%h",
                  "--without-gossip", "--without-mingle", "--without-heartbeat",
                  "-l", "info"],

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +24,25 @@ from django.db import connection
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that uses this test run's database."""
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DISTLOCK_TEST_CHILD_DB": str(connection.settings_dict["NAME"]),
+        "PYTHONPATH": str(ROOT),
+        **extra,
+    }
+
+
 class Child:
     def __init__(self, role: str, *args: Any, env: dict[str, str] | None = None,
                  prefix: list[str] | None = None) -> None:
-        child_env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "DISTLOCK_TEST_CHILD_DB": str(connection.settings_dict["NAME"]),
-            "PYTHONPATH": str(ROOT),
-            **(env or {}),
-        }
         self.role = role
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, "-m", "tests.worker", role, json.dumps(args)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=child_env, cwd=ROOT, start_new_session=True,
+            text=True, env=child_env(**(env or {})), cwd=ROOT, start_new_session=True,
         )
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.stderr: list[str] = []
@@ -64,28 +67,27 @@ class Child:
             for line in self.proc.stderr:
                 self.stderr.append(line)
 
+    def next_event(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The next event, whatever its kind; fails on an error event, exit or deadline."""
+        try:
+            got = self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"{self.role}: no event within {timeout} s") from None
+        if got is None:
+            self.proc.wait(timeout=10)
+            raise AssertionError(
+                f"{self.role} exited ({self.proc.returncode}):\n" + "".join(self.stderr[-30:])
+            )
+        if got.get("event") == "error":
+            raise AssertionError(f"{self.role} failed: {got}\n" + "".join(self.stderr[-30:]))
+        return got
+
     def expect(self, event: str, timeout: float = 30.0) -> dict[str, Any]:
         """The next event of this kind; fails on a different event, exit or deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{self.role}: no {event!r} event within {timeout} s")
-            try:
-                got = self.events.get(timeout=left)
-            except queue.Empty:
-                continue
-            if got is None:
-                self.proc.wait(timeout=10)
-                raise AssertionError(
-                    f"{self.role} exited ({self.proc.returncode}) before {event!r}:\n"
-                    + "".join(self.stderr[-30:])
-                )
-            if got.get("event") == "error":
-                raise AssertionError(f"{self.role} failed: {got}\n" + "".join(self.stderr[-30:]))
-            if got.get("event") == event:
-                return got
+        got = self.next_event(timeout)
+        if got.get("event") != event:
             raise AssertionError(f"{self.role}: expected {event!r}, got {got}")
+        return got
 
     def send(self, command: str, **data: Any) -> None:
         assert self.proc.stdin is not None

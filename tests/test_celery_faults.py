@@ -19,7 +19,6 @@ import sys
 import uuid
 
 import pytest
-from django.db import connection
 
 from distlock.models import Lock
 from tests.celery_app import DIR_ENV, QUEUE_ENV, broker_url
@@ -30,31 +29,9 @@ from tests.stress.harness import HISTORY, drop_triggers, install_triggers, rows
 pytestmark = [pytest.mark.processes, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-class TimeLimitWorker(Worker):
+def time_limit_worker(base, queue) -> Worker:
     """The suite's Worker, loading the module that defines the time-limited task."""
-
-    def __init__(self, base, queue) -> None:
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "DISTLOCK_TEST_CHILD_DB": str(connection.settings_dict["NAME"]),
-            "PYTHONPATH": str(ROOT),
-            "TMPDIR": str(base / "tmp"),
-            DIR_ENV: str(base),
-            QUEUE_ENV: queue,
-        }
-        self.hostname = f"distlock-tl-{uuid.uuid4().hex[:8]}"
-        self.base = base
-        self.log = base / f"{self.hostname}.log"
-        (base / "tmp").mkdir(parents=True, exist_ok=True)
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tests.stress.celery_tasks", "worker",
-                 "-P", "prefork", "-c", "2", "-Q", queue, "-n", f"{self.hostname}@%h",
-                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=ROOT, start_new_session=True,
-            )
+    return Worker(base, queue, app="tests.stress.celery_tasks", name="distlock-tl")
 
 
 def send(base, queue: str, key: str) -> str:
@@ -80,7 +57,7 @@ def test_hard_time_limit_kill_is_redelivered_waits_for_the_lease_and_runs_once(t
             (base / sub).mkdir()
     queue = f"distlock-tl-{uuid.uuid4().hex[:8]}"
     install_triggers()  # the lock table's grants and releases, logged by the database
-    worker = TimeLimitWorker(base, queue)
+    worker = time_limit_worker(base, queue)
     events = Events(base)
     try:
         worker.wait_ready()

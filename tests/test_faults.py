@@ -29,7 +29,6 @@ import contextlib
 import glob
 import os
 import pwd
-import queue
 import shutil
 import socket
 import subprocess
@@ -326,20 +325,7 @@ def send(agent: Child, command: str, **data) -> None:
 
 def outcome(agent: Child, timeout: float = 30.0) -> dict:
     """The agent's next event, whatever it is (expect() insists on one kind)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"{agent.role}: no event within {timeout} s")
-        try:
-            got = agent.events.get(timeout=left)
-        except queue.Empty:
-            continue
-        if got is None:
-            raise AssertionError(f"{agent.role} exited:\n" + "".join(agent.stderr[-30:]))
-        if got.get("event") == "error":
-            raise AssertionError(f"{agent.role} failed: {got}")
-        return got
+    return agent.next_event(timeout)
 
 
 def make_free_row(server: Server, name: str) -> int:
