@@ -9,6 +9,7 @@ events they expect, each with a deadline; nothing sleeps to make a test pass.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import queue
@@ -22,6 +23,22 @@ from typing import Any
 from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
+# Debian's libfaketime (package faketime); None where it is not installed.
+LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
+
+
+def skewed_clock_env(skew: str) -> dict[str, str]:
+    """Environment variables that shift a child's wall clock by ``skew`` (``"+30s"``).
+
+    libfaketime is preloaded directly rather than through the ``faketime`` wrapper: the
+    wrapper keeps a named semaphore per pid in /dev/shm that a SIGKILLed wrapper leaves
+    behind, and a later wrapper that gets the same pid then dies with "sem_open: File
+    exists" (seen in CI after the stress harness killed skewed workers). Not
+    FAKETIME_DONT_FAKE_MONOTONIC: with it, libfaketime 0.9.10 makes ``time.sleep()`` fail
+    with EINVAL; a monotonic clock shifted by a constant changes no duration.
+    """
+    assert LIBFAKETIME is not None, "libfaketime is not installed (Debian package faketime)"
+    return {"LD_PRELOAD": LIBFAKETIME, "FAKETIME": skew, "FAKETIME_NO_CACHE": "1"}
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 import threading
 import time
@@ -13,6 +12,7 @@ from django.db import connections
 from distlock import acquire
 from distlock.db import TABLE, db_now_us, now_sql
 from distlock.models import Lock
+from tests.processes import LIBFAKETIME, skewed_clock_env
 
 pytestmark = pytest.mark.processes
 
@@ -78,7 +78,7 @@ def test_stale_holder_release_and_renew_are_noops(children):
     assert fresh.release() is True
 
 
-@pytest.mark.skipif(shutil.which("faketime") is None, reason="needs faketime (libfaketime)")
+@pytest.mark.skipif(LIBFAKETIME is None, reason="needs libfaketime (Debian package faketime)")
 @pytest.mark.parametrize("skew", ["+30s", "-30s"])
 def test_client_clock_skew_changes_nothing(children, skew):
     """A holder and a contender whose wall clocks are off by ±30 s, in opposite directions."""
@@ -88,16 +88,11 @@ def test_client_clock_skew_changes_nothing(children, skew):
             "processes on the one host SQLite requires share (see README, limits)"
         )
     other = "-30s" if skew == "+30s" else "+30s"
-    faked = {"FAKETIME_NO_CACHE": "1"}
-    holder = children.start(
-        "hold", "skew", 3.0, env={**faked, "FAKETIME": skew}, prefix=["faketime", "-f", skew]
-    )
+    holder = children.start("hold", "skew", 3.0, env=skewed_clock_env(skew))
     held = holder.expect("acquired", timeout=60)
     assert abs(held["wall"] - time.time() - int(skew[:-1])) < 5, "faketime did not skew"
 
-    contender = children.start(
-        "try_once", "skew", 3.0, env={**faked, "FAKETIME": other}, prefix=["faketime", "-f", other]
-    )
+    contender = children.start("try_once", "skew", 3.0, env=skewed_clock_env(other))
     assert contender.expect("busy", timeout=60), "a skewed clock took an unexpired lock"
     holder.send("remaining")
     assert holder.expect("remaining")["remaining"] > 0, "the holder lost its lease early"

@@ -41,6 +41,7 @@ from django.db import connections
 
 from distlock import acquire, break_lock
 from distlock.db import TABLE, db_now_us
+from tests.processes import LIBFAKETIME, skewed_clock_env
 from tests.stress.checker import Report, Volume, check
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -216,7 +217,7 @@ class Workers:
         # "database clock" too, which SQLite cannot have separately (see README).
         if not self.profile.skewed_clocks or self.vendor == "sqlite" or slot > 1:
             return None
-        if shutil.which("faketime") is None:
+        if LIBFAKETIME is None:
             return None
         return "+30s" if slot == 0 else "-30s"
 
@@ -236,19 +237,14 @@ class Workers:
             "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1",
         }
-        prefix: list[str] = []
         skew = self.skew(slot)
         if skew:
-            # Not FAKETIME_DONT_FAKE_MONOTONIC: with it, libfaketime 0.9.10 makes Python's
-            # time.sleep() fail with EINVAL. A monotonic clock shifted by a constant
-            # changes no duration, which is all distlock reads from it.
-            env["FAKETIME_NO_CACHE"] = "1"
-            prefix = ["faketime", "-f", skew]
+            env.update(skewed_clock_env(skew))
         out = open(self.directory / f"history-{worker}.jsonl", "wb")  # noqa: SIM115
         err = open(self.directory / f"stderr-{worker}.txt", "wb")  # noqa: SIM115
         self.files += [out, err]
         self.procs[slot] = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "tests.worker", "tests.stress_workers:run",
+            [sys.executable, "-m", "tests.worker", "tests.stress_workers:run",
              json.dumps(args)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=ROOT,
             start_new_session=True,
