@@ -365,6 +365,19 @@ def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
     assert not Order.objects.filter(status="shipped").exists()
 
 
+def test_bulk_fenced_update_of_no_rows_still_requires_a_current_lease():
+    """Zero rows is a count for a current lease and a refusal for a stale one (both paths)."""
+    lease = acquire("customer:5", ttl=30)
+    assert Order.objects.filter(customer_id=5).fenced_update(lease, status="x") == 0
+    with transaction.atomic():
+        assert Order.objects.filter(customer_id=5).fenced_update(lease, status="x") == 0
+    make_stale(lease)
+    with pytest.raises(StaleToken, match="expired"):
+        Order.objects.filter(customer_id=5).fenced_update(lease, status="x")
+    with pytest.raises(StaleToken, match="expired"), transaction.atomic():
+        Order.objects.filter(customer_id=5).fenced_update(lease, status="x")
+
+
 def test_bulk_fenced_update_refuses_joins_and_the_token_column():
     lease = acquire("customer:1", ttl=30)
     with pytest.raises(ValueError, match="sets fence_token itself"):
@@ -480,7 +493,12 @@ def _statements(captured) -> list[str]:
 
 
 def test_captured_sql_is_a_locking_check_then_one_conditional_write():
-    """No read of the data row decides anything: the UPDATE's WHERE does."""
+    """No read of the data row decides anything: the UPDATE's WHERE does.
+
+    On PostgreSQL (in autocommit) save and fenced_update are a single statement, the
+    locking check folded into the UPDATE's WHERE; elsewhere the check is a statement of
+    its own in the write's transaction.
+    """
     account = AccountFactory()
     pk = account.pk
     lease = acquire(f"account:{pk}", ttl=30)
@@ -499,8 +517,15 @@ def test_captured_sql_is_a_locking_check_then_one_conditional_write():
     for what, write in writes.items():
         with CaptureQueriesContext(connection) as captured:
             write()
-        check, update, *rest = _statements(captured)
-        assert "distlock_lock" in check and check.rstrip().endswith(share), what
+        if vendor == "postgresql" and what in ("save", "fenced_update"):
+            assert len(captured) == 1, (what, [q["sql"] for q in captured])
+            (update,) = _statements(captured)
+            check = update.split("EXISTS (", 1)[1]
+            assert check.startswith("SELECT 1 FROM distlock_lock"), what
+            assert f"{share})" in check, what
+        else:
+            check, update, *rest = _statements(captured)
+            assert "distlock_lock" in check and check.rstrip().endswith(share), what
         assert clock[vendor] in check and "expires_us >" in check, what
         assert lease.owner in check and f"token = {lease.token}" in check, what
         if what == "create":
