@@ -12,6 +12,7 @@ Times are integer microseconds since the Unix epoch, by the database clock.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -115,14 +116,14 @@ def one_statement_on(*vendors: str) -> Callable[[Callable[..., T]], Callable[...
     return mark
 
 
-def refuse_atomic(alias: str) -> None:
-    """Raise TransactionNotAllowed if the caller is inside atomic() on ``alias``.
+def refuse_atomic(connection: BaseDatabaseWrapper) -> None:
+    """Raise TransactionNotAllowed if the caller is inside atomic() on this connection.
 
     On SQLite also inside atomic() on another alias of the same file: SQLite has one
     writer, so the lock transaction would wait for the caller's own transaction forever
     (until the busy timeout).
     """
-    connection = connections[alias]
+    alias = connection.alias
     if connection.vendor == "sqlite" and not connection.in_atomic_block:
         for other in connections.all(initialized_only=True):
             if (
@@ -148,24 +149,27 @@ def refuse_atomic(alias: str) -> None:
 
 
 class _BoundCursor:
-    """A psycopg cursor with server-side binding, unprepared, and Django's error wrapping.
+    """A psycopg cursor with server-side binding and Django's error wrapping.
 
     Django's own PostgreSQL cursor binds parameters on the client (quoting them into the
     SQL text) and goes through its cursor wrapper; for a lock operation that is one short
-    statement this is a measurable part of the cost (see benchmarks/). ``prepare=False``
-    keeps it safe behind a transaction-pooling PgBouncer, which cannot follow a named
-    prepared statement from one server connection to another.
+    statement this is a measurable part of the cost (see benchmarks/). Statements are
+    prepared as the connection says, like Django's own queries: never with Django's
+    default (``OPTIONS["prepare_threshold"]`` None), which a transaction-pooling
+    PgBouncer older than 1.21 needs; after that many uses when the database's OPTIONS set
+    ``prepare_threshold``, which saves the server parsing and planning each call.
     """
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
         import psycopg
 
         self.connection = connection
-        self.cursor = psycopg.Cursor(connection.connection)
+        self.raw = connection.connection
+        self.cursor = psycopg.Cursor(self.raw)
 
     def execute(self, sql: str, params: Any = None) -> None:
         with self.connection.wrap_database_errors:
-            self.cursor.execute(sql, params, prepare=False)
+            self.cursor.execute(sql, params)
 
     def fetchone(self) -> Any:
         with self.connection.wrap_database_errors:
@@ -175,9 +179,11 @@ class _BoundCursor:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.cursor.close()
+        # Kept open: the next operation on this connection reuses it (see _statement_cursor).
+        pass
 
 
+@functools.cache
 def _is_psycopg3() -> bool:
     # Django also runs on psycopg2, whose cursors take no ``prepare`` argument.
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
@@ -199,7 +205,12 @@ def _statement_cursor(connection: BaseDatabaseWrapper) -> Any:
         and not connection.execute_wrappers
     ):
         connection.validate_thread_sharing()
-        return _BoundCursor(connection)
+        # One cursor per database session, made again after a reconnect: creating a
+        # psycopg cursor per statement is a measurable part of an operation's client CPU.
+        cursor: _BoundCursor | None = getattr(connection, "_distlock_cursor", None)
+        if cursor is None or cursor.raw is not connection.connection:
+            cursor = connection._distlock_cursor = _BoundCursor(connection)  # type: ignore[attr-defined]
+        return cursor
     return connection.cursor()
 
 
@@ -226,8 +237,8 @@ def run(alias: str, operation: Callable[..., T], *args: Any) -> T:
     Retries the whole transaction on serialization failures and deadlocks, which the
     database resolves by aborting it (REPEATABLE READ on PostgreSQL, gap locks on MariaDB).
     """
-    refuse_atomic(alias)
     connection = connections[alias]
+    refuse_atomic(connection)
     _drop_if_broken(connection)
     # An operation that is one statement on this database is its own transaction in
     # autocommit mode: no BEGIN and COMMIT round trips around it.

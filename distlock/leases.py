@@ -36,11 +36,32 @@ class Lease:
         expires_at: datetime | None = None, acquired_at: datetime | None = None,
         holder: str = "", deadline: float | None = None,
     ) -> None:
-        self.name = check_name(name)
-        self.owner = check_owner(owner)
-        self.token = check_token(token)
-        self.using = check_using(using)
-        self.ttl = check_ttl(ttl)
+        self._set(
+            check_name(name), check_owner(owner), check_token(token), check_using(using),
+            check_ttl(ttl), expires_at, acquired_at, holder, deadline,
+        )
+
+    @classmethod
+    def _granted(
+        cls, name: str, owner: str, token: int, *, using: str, ttl: float,
+        expires_at: datetime, acquired_at: datetime, holder: str, deadline: float,
+    ) -> Lease:
+        """The lease of a grant acquire() just got: every value was checked on the way in
+        or comes from the database, so the public constructor's checks are skipped."""
+        lease = cls.__new__(cls)
+        lease._set(name, owner, token, using, ttl, expires_at, acquired_at, holder, deadline)
+        return lease
+
+    def _set(
+        self, name: str, owner: str, token: int, using: str, ttl: float,
+        expires_at: datetime | None, acquired_at: datetime | None, holder: str,
+        deadline: float | None,
+    ) -> None:
+        self.name = name
+        self.owner = owner
+        self.token = token
+        self.using = using
+        self.ttl = ttl
         self.expires_at = expires_at
         self.acquired_at = acquired_at
         self.released_at: datetime | None = None

@@ -133,7 +133,7 @@ def acquire(
             return None
         time.sleep(_pause(attempt, result, left))
         attempt += 1
-    lease = Lease(
+    lease = Lease._granted(
         name, owner, result.token, using=alias, ttl=seconds,
         expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
         holder=description,

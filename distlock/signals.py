@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from django.dispatch import Signal
 
-lock_acquired = Signal()
-lock_released = Signal()
-lock_renewed = Signal()
-lock_lost = Signal()
+# use_caching: receivers are looked up once per sender, not on every send (connect and
+# disconnect clear the cache); acquire and release each send one. Django keeps that cache
+# by weak reference to the sender, so it only suits signals whose sender is a class.
+lock_acquired = Signal(use_caching=True)
+lock_released = Signal(use_caching=True)
+lock_renewed = Signal(use_caching=True)
+lock_lost = Signal(use_caching=True)
 lock_broken = Signal()
 stale_write_refused = Signal()

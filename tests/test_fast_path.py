@@ -175,6 +175,32 @@ def test_renew_refusals_keep_their_reasons():
         other.renew()
 
 
+@postgresql_only
+def test_statements_are_prepared_only_when_the_connection_says_so():
+    """Django's default (prepare_threshold None) never prepares: a PgBouncer in
+    transaction mode cannot follow prepared statements. OPTIONS["prepare_threshold"] can."""
+
+    def prepared() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
+                ["%distlock_acquire(%"],
+            )
+            return cursor.fetchone()[0]
+
+    for _ in range(3):
+        acquire("prepared", ttl=30, blocking=False).release()
+    assert connection.connection.prepare_threshold is None
+    assert prepared() == 0
+    connection.connection.prepare_threshold = 0  # what OPTIONS {"prepare_threshold": 0} sets
+    try:
+        for _ in range(2):
+            acquire("prepared", ttl=30, blocking=False).release()
+        assert prepared() == 1
+    finally:
+        connection.connection.prepare_threshold = None
+
+
 def test_operations_reuse_one_connection():
     """CONN_MAX_AGE = 0 (Django's default) must not mean a new connection per operation."""
     assert connection.settings_dict["CONN_MAX_AGE"] == 0
