@@ -138,10 +138,12 @@ def test_locked_rejects_a_template_field_that_is_not_a_parameter():
 
 
 def test_auto_renew_keeps_the_lease_and_stops_on_release():
-    lease = acquire("auto", ttl=0.3, auto_renew=True)
+    # Renewals every 2/3 s: a ttl of 0.3 s (every 0.1 s) lost its lease in CI when the
+    # loaded machine kept the renewer thread off the CPU for longer than 0.2 s.
+    lease = acquire("auto", ttl=2.0, auto_renew=True)
     first_expiry = lease.expires_at
     renewals = 0
-    deadline = db_now_us("default") + 2_000_000
+    deadline = db_now_us("default") + 10_000_000
     while renewals < 2 and db_now_us("default") < deadline:
         renewals = Lock.objects.get(name="auto").renew_count
     assert renewals >= 2
