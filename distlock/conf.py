@@ -30,6 +30,9 @@ DEFAULTS: dict[str, Any] = {
     "DISTLOCK_POLL_MAX_INTERVAL": 1.0,
     # auto_renew renews after this fraction of the ttl has passed.
     "DISTLOCK_RENEW_FRACTION": 1 / 3,
+    # PostgreSQL: a waiting acquire LISTENs and a release NOTIFYs it (see wakeups.py).
+    # Turn off behind a transaction-pooling PgBouncer, which cannot keep a LISTEN.
+    "DISTLOCK_WAKEUPS": True,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,
     # Audit events older than this many seconds (or timedelta) are deleted by

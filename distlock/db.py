@@ -464,7 +464,23 @@ def break_lock(
         "WHERE name = %s AND token = %s",
         [name, current_token],
     )
+    if connection.vendor == "postgresql":
+        cursor.execute("SELECT distlock_wake(%s)", [name])
     return current_owner, current_token, holder
+
+
+@one_statement_on("postgresql")
+def listen(connection: BaseDatabaseWrapper, cursor: Any, name: str) -> None:
+    """PostgreSQL: be woken by the next release or break of ``name`` (see wakeups.py)."""
+    cursor.execute("SELECT distlock_listen(%s)", [name])
+    cursor.fetchone()
+
+
+@one_statement_on("postgresql")
+def unlisten(connection: BaseDatabaseWrapper, cursor: Any, name: str) -> None:
+    """PostgreSQL: undo :func:`listen`."""
+    cursor.execute("SELECT distlock_unlisten(%s)", [name])
+    cursor.fetchone()
 
 
 def purge(connection: BaseDatabaseWrapper, cursor: Any, idle_us: int) -> int:

@@ -36,6 +36,7 @@ from distlock.validation import (
     check_ttl,
     check_using,
 )
+from distlock.wakeups import Waiter
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -121,18 +122,27 @@ def acquire(
     ttl_us = round(seconds * 1e6)
     give_up = None if wait is None else time.monotonic() + wait
     attempt = 0
-    while True:
-        # The holder's clock starts before the request leaves, so its deadline is never
-        # later than the one the database computes.
-        started = time.monotonic()
-        result = _try_once(alias, name, owner, description, ttl_us)
-        if isinstance(result, db.Grant):
-            break
-        left = None if give_up is None else give_up - time.monotonic()
-        if not blocking or (left is not None and left <= 0):
-            return None
-        time.sleep(_pause(attempt, result, left))
-        attempt += 1
+    waiter: Waiter | None = None
+    try:
+        while True:
+            # The holder's clock starts before the request leaves, so its deadline is
+            # never later than the one the database computes.
+            started = time.monotonic()
+            result = _try_once(alias, name, owner, description, ttl_us)
+            if isinstance(result, db.Grant):
+                break
+            left = None if give_up is None else give_up - time.monotonic()
+            if not blocking or (left is not None and left <= 0):
+                return None
+            if waiter is None:
+                waiter = Waiter(alias, name)
+                if waiter.listening:
+                    continue  # freed before the LISTEN took effect? Look again at once.
+            waiter.wait(_pause(attempt, result, left))
+            attempt += 1
+    finally:
+        if waiter is not None:
+            waiter.stop()
     lease = Lease._granted(
         name, owner, result.token, using=alias, ttl=seconds,
         expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),

@@ -99,14 +99,25 @@ def try_once(name: str, ttl: float) -> None:
         emit("acquired", **lease_data(lease), wall=time.time())
 
 
-def wait_for(name: str, ttl: float, timeout: float) -> None:
-    """Blocking acquire after a "go" command; reports how long it waited."""
+def wait_for(name: str, ttl: float, timeout: float, poll: float | None = None,
+             wakeups: bool = True) -> None:
+    """Blocking acquire after a "go" command; reports how long it waited.
+
+    ``poll`` fixes the back-off pause (DISTLOCK_POLL_INTERVAL and _MAX_INTERVAL);
+    ``wakeups`` is DISTLOCK_WAKEUPS.
+    """
+    from django.test.utils import override_settings
+
     from distlock import acquire
 
+    options: dict[str, Any] = {"DISTLOCK_WAKEUPS": wakeups}
+    if poll is not None:
+        options.update(DISTLOCK_POLL_INTERVAL=poll, DISTLOCK_POLL_MAX_INTERVAL=poll)
     emit("ready")
     command()
     started = time.monotonic()
-    lease = acquire(name, ttl=ttl, timeout=timeout)
+    with override_settings(**options):
+        lease = acquire(name, ttl=ttl, timeout=timeout)
     if lease is None:
         emit("timeout", waited=time.monotonic() - started)
         return
