@@ -49,6 +49,11 @@ class Contender:
     label = ""
     # What the figure means in the table's notes.
     note = ""
+    # The scenarios it runs in (None: all of its section's).
+    scenarios: tuple[str, ...] | None = None
+    # try_acquire waits for the lock instead of trying once: every call's duration is
+    # its wait-to-grant.
+    blocks = False
 
     def connect(self) -> None:
         raise NotImplementedError
@@ -88,6 +93,23 @@ class Distlock(Contender):
         from django.db import connections
 
         connections.close_all()
+
+
+class DistlockBlocking(Distlock):
+    """distlock's blocking ``acquire()``, as a user waits: back-off, and on PostgreSQL a
+    NOTIFY from the release wakes the waiter. One name only: elsewhere it never waits."""
+
+    scenarios = ("contend",)
+    blocks = True
+
+    def __init__(self, alias: str) -> None:
+        super().__init__(alias, "distlock, blocking acquire")
+        self.note = "acquire(timeout=10) + Lease.release(): waits instead of spinning"
+
+    def try_acquire(self, name: str) -> Any:
+        from distlock import acquire
+
+        return acquire(name, ttl=TTL_S, timeout=10, using=self.alias)
 
 
 class DjangoDbMutex(Contender):

@@ -77,7 +77,9 @@ def _loop(contender: Contender, scenario: str, index: int, names: list[str],
                 refused_since = began
             continue
         latencies.append(now - began)
-        if refused_since is not None:
+        if contender.blocks:
+            waits.append(now - began)
+        elif refused_since is not None:
             waits.append(now - refused_since)
             refused_since = None
         contender.release(handle)

@@ -175,12 +175,48 @@ class _SameName(Expression):
         return f"COALESCE(({sql}) = %s, {false})", [*params, self.name]
 
 
+def _inverted_name(model: type[FencedModel], name: str) -> Q | None:
+    """The lock-name condition as a condition on the one field of a ``fence_name`` such as
+    ``"account:{pk}"``: ``pk = 42`` for ``"account:42"``, instead of building every row's
+    name in SQL. None when the template has no field or several, or the model computes its
+    names itself. Exactly the rows whose name is ``name`` match (a NULL field matches no
+    lease); a name the template cannot produce matches no row.
+    """
+    template = model.fence_name
+    own = FencedModel.get_fence_name_expression.__func__  # type: ignore[attr-defined]
+    if template is None or model.get_fence_name_expression.__func__ is not own:  # type: ignore[attr-defined]
+        return None
+    fields = [field for _, field in parse_fence_name(template) if field is not None]
+    if len(fields) != 1:
+        return None
+    # Lock names never contain NUL, so it marks the field's place unambiguously.
+    prefix, suffix = template.format(**{fields[0]: "\x00"}).split("\x00")
+    nothing = Q(pk__in=[])
+    if len(name) < len(prefix) + len(suffix) or not (
+        name.startswith(prefix) and name.endswith(suffix)
+    ):
+        return nothing
+    value = name[len(prefix): len(name) - len(suffix)]
+    field = _resolve(model, fields[0])
+    if _column_type(field) in _INTEGER_TYPES:
+        # str() of the stored integer must give back exactly this text ("7", never "07").
+        if not value.lstrip("-").isdigit() or str(int(value)) != value:
+            return nothing
+        if not -(2**63) <= int(value) < 2**63:
+            return nothing
+        return Q(**{field.attname: int(value)})
+    return Q(_SameName(F(field.attname), value))
+
+
 def _name_condition(model: type[FencedModel], name: str, *, required: bool) -> Q | None:
     """A WHERE condition: the row's lock name, computed in SQL, is ``name``.
 
     None when every row has the same lock name (the caller compares it once) or, with
     ``required=False``, when the model gives no SQL form of its lock name.
     """
+    inverted = _inverted_name(model, name)
+    if inverted is not None:
+        return inverted
     try:
         expression = model.get_fence_name_expression()
     except NotImplementedError:
@@ -464,14 +500,15 @@ class FencedQuerySet(models.QuerySet[M]):
         row's share lock no newer lease can be granted, so none can write meanwhile.
         """
         token = lease.token
-        fenced = self.filter(fence_token__lte=token)
+        # One filter() call: each one clones and resolves the query again.
+        fenced = Q(fence_token__lte=token)
         skipped = Q(fence_token__gt=token)
         if same_name is not None:
-            fenced = fenced.filter(same_name)
+            fenced &= same_name
             skipped |= ~same_name
         if folded is not None:
-            fenced = fenced.filter(folded, ~Exists(self.filter(skipped)))
-        count = models.QuerySet.update(fenced, **changes, fence_token=token)
+            fenced &= folded & ~Exists(self.filter(skipped))
+        count = models.QuerySet.update(self.filter(fenced), **changes, fence_token=token)
         if count and folded is not None:
             return int(count)
         if self.filter(skipped).exists():

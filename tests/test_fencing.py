@@ -365,6 +365,29 @@ def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
     assert not Order.objects.filter(status="shipped").exists()
 
 
+def test_bulk_writes_match_lock_names_exactly():
+    """The row's lock name must be the lease's, character for character, on every backend:
+    "customer:07" is not customer 7's lock, "counter:abc" is not counter "Abc"'s."""
+    OrderFactory.create_batch(2, customer_id=7)
+    Counter.objects.create(key="Abc")
+    for name, rows in [
+        ("customer:07", Order.objects.filter(customer_id=7)),
+        ("customer:+7", Order.objects.filter(customer_id=7)),
+        ("customer:7 ", Order.objects.filter(customer_id=7)),
+        ("counter:abc", Counter.objects.filter(key="Abc")),
+        ("counter:Abc ", Counter.objects.filter(key="Abc")),
+    ]:
+        lease = acquire(name, ttl=30)
+        with pytest.raises(ValueError, match="guarded by another lock"):
+            rows.fenced_update(lease, **({"status": "x"} if rows.model is Order else {}))
+        assert lease.release() is True
+    lease = acquire("counter:Abc", ttl=30)
+    assert Counter.objects.filter(key="Abc").fenced_update(lease, value=F("value") + 1) == 1
+    lease = acquire("customer:7", ttl=30)
+    assert Order.objects.filter(customer_id=7).fenced_update(lease, status="x") == 2
+    assert not Order.objects.exclude(status="x").exists()
+
+
 def test_bulk_fenced_update_of_no_rows_still_requires_a_current_lease():
     """Zero rows is a count for a current lease and a refusal for a stale one (both paths)."""
     lease = acquire("customer:5", ttl=30)

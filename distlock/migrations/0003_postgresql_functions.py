@@ -12,14 +12,6 @@ without taking the row lock. That writes nothing, so a refusal needs no WAL flus
 does not queue behind the holder's row lock. It is a correct refusal: at the instant of
 that read the lock was held by the database clock.
 
-Wake-ups (LISTEN/NOTIFY): a blocking acquire that was refused calls ``distlock_listen``,
-which LISTENs on the lock's channel and takes a *shared* session advisory lock on the
-lock's key. A release or break calls ``distlock_wake``: if it cannot take that key
-exclusively, someone is waiting, and it NOTIFYs the channel (delivered at commit). With
-nobody waiting nothing is sent, so an uncontended release does not pay NOTIFY's
-commit-time serialization. The key is (1684825963 = "dlck", hashtext(name)); a hash
-collision only wakes a waiter early.
-
 ``fillfactor`` leaves room on each page so that the frequent updates of a lock row
 (grants, renewals, releases change no indexed column) can stay heap-only (HOT).
 """
@@ -27,38 +19,8 @@ collision only wakes a waiter early.
 from django.db import migrations
 
 NOW_US = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
-WAKEUP_KEY = "1684825963, hashtext(p_name)"
 
 FUNCTIONS = f"""
-CREATE OR REPLACE FUNCTION distlock_channel(p_name text) RETURNS text
-LANGUAGE sql IMMUTABLE AS $$ SELECT 'distlock_' || left(md5(p_name), 24) $$;
-
-CREATE OR REPLACE FUNCTION distlock_listen(p_name text) RETURNS void
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    -- LISTEN first: a release that sees the advisory lock must find the channel heard.
-    EXECUTE format('LISTEN %I', distlock_channel(p_name));
-    PERFORM pg_advisory_lock_shared({WAKEUP_KEY});
-END
-$$;
-
-CREATE OR REPLACE FUNCTION distlock_unlisten(p_name text) RETURNS void
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    PERFORM pg_advisory_unlock_shared({WAKEUP_KEY});
-    EXECUTE format('UNLISTEN %I', distlock_channel(p_name));
-END
-$$;
-
-CREATE OR REPLACE FUNCTION distlock_wake(p_name text) RETURNS void
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    IF NOT pg_try_advisory_xact_lock({WAKEUP_KEY}) THEN
-        PERFORM pg_notify(distlock_channel(p_name), '');
-    END IF;
-END
-$$;
-
 CREATE OR REPLACE FUNCTION distlock_acquire(
     p_name text, p_owner text, p_holder text, p_ttl_us bigint, p_max_token bigint,
     OUT status text, OUT token bigint, OUT acquired_us bigint, OUT expires_us bigint,
@@ -175,7 +137,6 @@ BEGIN
     UPDATE distlock_lock l SET owner = '', holder = '', expires_us = released_us
      WHERE l.name = p_name;
     held := old_expires > released_us;
-    PERFORM distlock_wake(p_name);
 END
 $$;
 
@@ -187,10 +148,6 @@ ALTER TABLE distlock_lock RESET (fillfactor);
 DROP FUNCTION IF EXISTS distlock_release(text, text, bigint);
 DROP FUNCTION IF EXISTS distlock_renew(text, text, bigint, bigint);
 DROP FUNCTION IF EXISTS distlock_acquire(text, text, text, bigint, bigint);
-DROP FUNCTION IF EXISTS distlock_wake(text);
-DROP FUNCTION IF EXISTS distlock_unlisten(text);
-DROP FUNCTION IF EXISTS distlock_listen(text);
-DROP FUNCTION IF EXISTS distlock_channel(text);
 """
 
 
