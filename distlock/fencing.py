@@ -27,6 +27,7 @@ matched no row, or the transaction is rolled back: a savepoint inside the caller
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -60,6 +61,7 @@ _INTEGER_TYPES = {
     "PositiveSmallIntegerField",
 }
 _TEXT_TYPES = {"CharField", "TextField", "SlugField"}
+_DECIMAL = re.compile(r"-?[0-9]+")
 
 
 class _Refused(Exception):
@@ -200,7 +202,7 @@ def _inverted_name(model: type[FencedModel], name: str) -> Q | None:
     field = _resolve(model, fields[0])
     if _column_type(field) in _INTEGER_TYPES:
         # str() of the stored integer must give back exactly this text ("7", never "07").
-        if not value.lstrip("-").isdigit() or str(int(value)) != value:
+        if not _DECIMAL.fullmatch(value) or str(int(value)) != value:
             return nothing
         if not -(2**63) <= int(value) < 2**63:
             return nothing

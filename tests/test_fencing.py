@@ -373,6 +373,8 @@ def test_bulk_writes_match_lock_names_exactly():
     for name, rows in [
         ("customer:07", Order.objects.filter(customer_id=7)),
         ("customer:+7", Order.objects.filter(customer_id=7)),
+        ("customer:--7", Order.objects.filter(customer_id=7)),
+        ("customer:\u0667", Order.objects.filter(customer_id=7)),  # ARABIC-INDIC SEVEN
         ("customer:7 ", Order.objects.filter(customer_id=7)),
         ("counter:abc", Counter.objects.filter(key="Abc")),
         ("counter:Abc ", Counter.objects.filter(key="Abc")),
