@@ -383,8 +383,13 @@ class _AccountWrite(Contender):
         if pk not in self.leases:
             from distlock import acquire
 
-            self.leases[pk] = acquire(f"bench-account:{pk}", ttl=3600, timeout=30,
-                                      using=self.alias)
+            lease = acquire(f"bench-account:{pk}", ttl=3600, timeout=30, using=self.alias)
+            if lease is None:
+                raise RuntimeError(
+                    f"bench-account:{pk} is held by someone else (a run killed earlier?): "
+                    "break it with `manage.py distlock_break` on the benchmark database"
+                )
+            self.leases[pk] = lease
         return self.leases[pk]
 
     def release(self, handle: Any) -> None:

@@ -715,12 +715,14 @@ class FencedModel(models.Model):
                 base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
             )
         lease, folded = fence
-        base_qs = base_qs.filter(fence_token__lte=lease.token)
+        # One filter() call: each one clones and resolves the query again.
+        conditions = Q(fence_token__lte=lease.token)
         same_name = _name_condition(type(self), lease.name, required=False)
         if same_name is not None:
-            base_qs = base_qs.filter(same_name)
+            conditions &= same_name
         if folded is not None:
-            base_qs = base_qs.filter(folded)
+            conditions &= folded
+        base_qs = base_qs.filter(conditions)
         values.append((field, None, lease.token))
         updated = super()._do_update(  # type: ignore[misc]
             base_qs, using, pk_val, values, update_fields, True, *args, **kwargs
