@@ -185,7 +185,7 @@ class _BoundCursor:
 
 @functools.cache
 def _is_psycopg3() -> bool:
-    # Django also runs on psycopg2, whose cursors take no ``prepare`` argument.
+    # Django also runs on psycopg2: the lean cursor and the wake-ups are psycopg 3's.
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
     return is_psycopg3
