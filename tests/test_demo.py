@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -156,3 +157,34 @@ def test_demo_refuses_bad_options(tmp_path, args, message):
     assert done.returncode != 0
     assert message in done.stderr
     assert not (tmp_path / "demo.sqlite3").exists()  # refused before touching anything
+
+
+_BIND = """
+import sys, time
+from kombu import Connection
+import demo_project.kombu_filesystem  # noqa: F401 - the transport under test
+folder, queue, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+with Connection("filesystem://", transport_options={
+    "data_folder_in": folder, "data_folder_out": folder, "control_folder": folder + "/control",
+}) as conn:
+    channel = conn.default_channel
+    while time.time() < start:  # every process binds at the same moment
+        pass
+    channel._queue_bind("race", queue, "", queue)
+"""
+
+
+def test_workers_binding_at_once_all_see_a_whole_exchange_table(tmp_path):
+    """kombu's own filesystem transport lets a second binder read a table file that the
+    first has created but not written (JSONDecodeError, seen in CI) or lose its entry."""
+    start = str(time.time() + 2.0)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _BIND, str(tmp_path), f"q{i}", start],
+                         cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        for i in range(8)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    table = json.loads((tmp_path / "control" / "race.exchange").read_text())
+    assert sorted(entry[2] for entry in table) == [f"q{i}" for i in range(8)]
