@@ -36,20 +36,19 @@ def _raw():
     return psycopg.connect(**params, autocommit=True)
 
 
-def _wait_for_refused_try(raw, registered: bool, timeout: float = 30.0) -> None:
-    """Until another session has been refused the lock (and, if ``registered``, listens)."""
+def _wait_for_refused_try(raw, pid: int, registered: bool, timeout: float = 30.0) -> None:
+    """Until backend ``pid`` has been refused the lock (and, if ``registered``, listens)."""
     deadline = time.monotonic() + timeout
     while True:
         refused = raw.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
-            "AND pid <> %s AND datname = current_database() AND state = 'idle' "
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND state = 'idle' "
             "AND query LIKE %s",
-            [connection.connection.info.backend_pid, "%distlock_acquire(%"],
+            [pid, "%distlock_acquire(%"],
         ).fetchone()[0]
         waiting = raw.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
-            "AND mode = 'ShareLock' AND granted",
-            [WAKEUP_CLASS],
+            "AND mode = 'ShareLock' AND granted AND pid = %s",
+            [WAKEUP_CLASS, pid],
         ).fetchone()[0]
         if refused and (waiting if registered else True):
             return
@@ -62,11 +61,11 @@ def _wait_for_refused_try(raw, registered: bool, timeout: float = 30.0) -> None:
 def test_release_wakes_the_waiter_at_once(children, wakeups):
     holder = acquire("wake", ttl=60)
     waiter = children.start("wait_for", "wake", 30.0, 60.0, POLL, wakeups)
-    waiter.expect("ready", timeout=60)
+    pid = waiter.expect("ready", timeout=60)["backend_pid"]
     raw = _raw()
     try:
         waiter.send("go")
-        _wait_for_refused_try(raw, registered=wakeups)
+        _wait_for_refused_try(raw, pid, registered=wakeups)
         released_us = db_now_us("default")
         assert holder.release() is True
         got = waiter.expect("acquired", timeout=30)

@@ -106,6 +106,7 @@ def wait_for(name: str, ttl: float, timeout: float, poll: float | None = None,
     ``poll`` fixes the back-off pause (DISTLOCK_POLL_INTERVAL and _MAX_INTERVAL);
     ``wakeups`` is DISTLOCK_WAKEUPS.
     """
+    from django.db import connection
     from django.test.utils import override_settings
 
     from distlock import acquire
@@ -113,7 +114,9 @@ def wait_for(name: str, ttl: float, timeout: float, poll: float | None = None,
     options: dict[str, Any] = {"DISTLOCK_WAKEUPS": wakeups}
     if poll is not None:
         options.update(DISTLOCK_POLL_INTERVAL=poll, DISTLOCK_POLL_MAX_INTERVAL=poll)
-    emit("ready")
+    connection.ensure_connection()
+    backend = connection.connection.info.backend_pid if connection.vendor == "postgresql" else None
+    emit("ready", backend_pid=backend)
     command()
     started = time.monotonic()
     with override_settings(**options):
