@@ -260,14 +260,16 @@ def check_writes(
                 report.add("c", f"{name}: op {row['op_id']} wrote with token {token}, "
                            "never granted")
             else:
-                if not lease.start <= row["before_us"] < lease.end:
+                # Inclusive bounds and a strict "after" below: one clock reading shared
+                # by two events does not order them (SQLite's clock ticks in ms: a write
+                # and its holder's release, or a write and the next grant, can share one),
+                # as for overlapping leases in (a).
+                if not lease.start <= row["before_us"] <= lease.end:
                     report.add(
                         "c", f"{name}: op {row['op_id']} wrote with token {token} at "
-                        f"{row['before_us']}, outside its lease [{lease.start}, {lease.end})"
+                        f"{row['before_us']}, outside its lease [{lease.start}, {lease.end}]"
                     )
                 later = [t for t in ordered if t > token]
-                # Strictly after: one clock reading shared by both does not order them
-                # (SQLite's clock ticks in ms), as for overlapping leases in (a).
                 if later and row["after_us"] > tokens[later[0]].start:
                     report.add(
                         "c", f"{name}: op {row['op_id']} (token {token}) was still writing "
