@@ -99,11 +99,12 @@ class DistlockBlocking(Distlock):
     """distlock's blocking ``acquire()``, as a user waits: back-off, and on PostgreSQL a
     NOTIFY from the release wakes the waiter. One name only: elsewhere it never waits."""
 
+    label = "distlock, blocking acquire"
     scenarios = ("contend",)
     blocks = True
 
     def __init__(self, alias: str) -> None:
-        super().__init__(alias, "distlock, blocking acquire")
+        super().__init__(alias, self.label)
         self.note = "acquire(timeout=10) + Lease.release(): waits instead of spinning"
 
     def try_acquire(self, name: str) -> Any:

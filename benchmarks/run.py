@@ -286,7 +286,7 @@ def targets(section: Section) -> list[str]:
     # Both ways of waiting: spinning tries (the anchors' method, as A does) and the
     # blocking acquire() a user calls.
     for label, how in (("distlock", "spinning tries"),
-                       (c.DistlockBlocking("").label, "blocking acquire")):
+                       (c.DistlockBlocking.label, "blocking acquire")):
         if "contend" not in res.get(label, {}):
             continue
         grants = ratio(section, label, "contend")
