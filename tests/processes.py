@@ -53,11 +53,10 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Child:
-    def __init__(self, role: str, *args: Any, env: dict[str, str] | None = None,
-                 prefix: list[str] | None = None) -> None:
+    def __init__(self, role: str, *args: Any, env: dict[str, str] | None = None) -> None:
         self.role = role
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "tests.worker", role, json.dumps(args)],
+            [sys.executable, "-m", "tests.worker", role, json.dumps(args)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=child_env(**(env or {})), cwd=ROOT, start_new_session=True,
         )
