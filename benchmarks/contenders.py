@@ -71,14 +71,20 @@ class Contender:
 class Distlock(Contender):
     """distlock's public API: ``acquire(blocking=False)`` and ``Lease.release()``."""
 
-    def __init__(self, alias: str, label: str = "distlock") -> None:
+    def __init__(self, alias: str, label: str = "distlock", **settings: Any) -> None:
         self.alias = alias
         self.label = label
         self.note = "acquire(blocking=False) + Lease.release() through Django"
+        # DISTLOCK_* settings of this contender's workers (e.g. a row without prepared
+        # statements).
+        self.settings = settings
 
     def connect(self) -> None:
         from django.db import connections
+        from django.test.utils import override_settings
 
+        if self.settings:
+            override_settings(**self.settings).enable()  # a forked worker: never undone
         connections[self.alias].ensure_connection()
 
     def try_acquire(self, name: str) -> Any:

@@ -59,9 +59,6 @@ def configure(backends: list[str], scale: bool, sqlite_path: str) -> None:
     if "postgresql" in backends:
         # django-db-mutex always uses "default", so PostgreSQL is the default alias.
         databases["default"] = dbs.pg_settings()
-        # The same database with Django's prepare_threshold option: distlock's statements
-        # are then prepared on the server, as A's are (Django's default prepares nothing).
-        databases["pgprepared"] = {**dbs.pg_settings(), "OPTIONS": {"prepare_threshold": 0}}
         if scale:
             databases["pg1m"] = dbs.pg_settings("_1m")
     else:
@@ -96,7 +93,8 @@ def build(backends: list[str], scale: bool, with_redis: bool,
         dbs.create_pg()
         dbs.prepare("default", dbs.POOL)
         pg = [c.PgUpsert(dbs.pg_conninfo()), c.Distlock("default"),
-              c.Distlock("pgprepared", "distlock, prepare_threshold=0"),
+              c.Distlock("default", "distlock, unprepared",
+                         DISTLOCK_PREPARE_STATEMENTS=False),
               c.DistlockBlocking("default"), c.PgSelectForUpdate(dbs.pg_conninfo())]
         if _has_db_mutex():
             pg.append(c.DjangoDbMutex())

@@ -49,8 +49,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             "DISTLOCK_RENEW_FRACTION must be a number between 0 and 1 (exclusive).",
             id="distlock.E005",
         ))
-    if not isinstance(conf.WAKEUPS, bool):
-        errors.append(Error("DISTLOCK_WAKEUPS must be True or False.", id="distlock.E005"))
+    for key in ("WAKEUPS", "PREPARE_STATEMENTS"):
+        if not isinstance(getattr(conf, key), bool):
+            errors.append(Error(f"DISTLOCK_{key} must be True or False.", id="distlock.E005"))
     if (
         _positive(conf.DEFAULT_TTL) and _positive(conf.MAX_TTL)
         and conf.DEFAULT_TTL > conf.MAX_TTL

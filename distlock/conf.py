@@ -33,6 +33,10 @@ DEFAULTS: dict[str, Any] = {
     # PostgreSQL: a waiting acquire LISTENs and a release NOTIFYs it (see wakeups.py).
     # Turn off behind a transaction-pooling PgBouncer, which cannot keep a LISTEN.
     "DISTLOCK_WAKEUPS": True,
+    # PostgreSQL: prepare distlock's own statements once per database session, so the
+    # server does not parse and plan every lock operation. Turn off behind a
+    # transaction-pooling PgBouncer older than 1.21 (or with max_prepared_statements = 0).
+    "DISTLOCK_PREPARE_STATEMENTS": True,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,
     # Audit events older than this many seconds (or timedelta) are deleted by

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock.conf import conf
 from distlock.exceptions import TokenExhausted, TransactionNotAllowed
 from distlock.validation import MAX_TOKEN
 
@@ -28,6 +29,9 @@ TABLE = "distlock_lock"
 RETRIES = 5
 _RETRY_SQLSTATES = {"40001", "40P01"}
 _RETRY_MYSQL_CODES = {1213, 1020}
+# "prepared statement … does not exist" (26000) and "… already exists" (42P05).
+_LOST_PREPARED_SQLSTATES = {"26000", "42P05"}
+_NEVER_BY_COUNT = 2**62
 
 # The database server's real-time clock, in microseconds since the epoch.
 _NOW_US = {
@@ -149,15 +153,17 @@ def refuse_atomic(connection: BaseDatabaseWrapper) -> None:
 
 
 class _BoundCursor:
-    """A psycopg cursor with server-side binding and Django's error wrapping.
+    """A psycopg cursor with server-side binding, prepared statements and Django's error
+    wrapping.
 
     Django's own PostgreSQL cursor binds parameters on the client (quoting them into the
     SQL text) and goes through its cursor wrapper; for a lock operation that is one short
-    statement this is a measurable part of the cost (see benchmarks/). Statements are
-    prepared as the connection says, like Django's own queries: never with Django's
-    default (``OPTIONS["prepare_threshold"]`` None), which a transaction-pooling
-    PgBouncer older than 1.21 needs; after that many uses when the database's OPTIONS set
-    ``prepare_threshold``, which saves the server parsing and planning each call.
+    statement this is a measurable part of the cost (see benchmarks/). With
+    ``DISTLOCK_PREPARE_STATEMENTS`` (the default) each of distlock's few statements is
+    prepared at its first use on a database session, so the server stops parsing and
+    planning every call; with it False they are prepared as the connection says
+    (``OPTIONS["prepare_threshold"]``; Django's default prepares nothing), which a
+    transaction-pooling PgBouncer older than 1.21 needs.
     """
 
     def __init__(self, connection: BaseDatabaseWrapper) -> None:
@@ -169,7 +175,36 @@ class _BoundCursor:
 
     def execute(self, sql: str, params: Any = None) -> None:
         with self.connection.wrap_database_errors:
-            self.cursor.execute(sql, params)
+            if not conf.PREPARE_STATEMENTS:
+                self.cursor.execute(sql, params)
+                return
+            try:
+                self._execute_prepared(sql, params)
+            except Exception as exc:
+                if getattr(exc, "sqlstate", None) not in _LOST_PREPARED_SQLSTATES:
+                    raise
+                # The session lost what psycopg prepared in it (DEALLOCATE ALL or DISCARD
+                # ALL behind psycopg's back). psycopg must forget it too, or every later
+                # call fails the same way; its clear() also deallocates everything after
+                # the next statement, so that one runs unprepared. Running it again is
+                # safe: it is its own transaction (autocommit) and failed before it ran.
+                self.raw._prepared.clear()
+                self.cursor.execute(sql, params, prepare=False)
+
+    def _execute_prepared(self, sql: str, params: Any) -> None:
+        # psycopg prepares nothing at all on a connection whose prepare_threshold is None
+        # (Django's default), even when asked to. A threshold no query reaches lets it
+        # prepare just this one; put back at once, so Django's own queries stay as they
+        # were (not counted, never prepared).
+        raw = self.raw
+        if raw.prepare_threshold is not None:
+            self.cursor.execute(sql, params, prepare=True)
+            return
+        raw.prepare_threshold = _NEVER_BY_COUNT
+        try:
+            self.cursor.execute(sql, params, prepare=True)
+        finally:
+            raw.prepare_threshold = None
 
     def fetchone(self) -> Any:
         with self.connection.wrap_database_errors:

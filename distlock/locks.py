@@ -11,7 +11,6 @@ import socket
 import string
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import ContextDecorator
 from datetime import timedelta
@@ -53,10 +52,16 @@ def current_lease() -> Lease | None:
     return leases[-1] if leases else None
 
 
+@functools.cache
+def _hostname() -> str:
+    # A system call per acquire otherwise; a host is not renamed under a running process.
+    return socket.gethostname()
+
+
 def describe_holder(extra: str = "") -> str:
     """Who is asking, for people reading the lock table: host, pid, thread (and ``extra``)."""
     thread = threading.current_thread().name
-    parts = [socket.gethostname(), f"pid={os.getpid()}", f"thread={thread}"]
+    parts = [_hostname(), f"pid={os.getpid()}", f"thread={thread}"]
     if extra:
         parts.append(extra)
     return " ".join(parts)[:MAX_NAME_LENGTH]
@@ -117,7 +122,8 @@ def acquire(
     if not isinstance(holder, str):
         raise TypeError(f"holder must be a str, not {type(holder).__name__}")
     alias = check_using(using)
-    owner = uuid.uuid4().hex
+    # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of the cost.
+    owner = os.urandom(16).hex()
     description = describe_holder(holder)
     ttl_us = round(seconds * 1e6)
     give_up = None if wait is None else time.monotonic() + wait

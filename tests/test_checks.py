@@ -43,7 +43,7 @@ def test_default_settings_pass():
         ("DISTLOCK_DEFAULT_TTL", 0), ("DISTLOCK_DEFAULT_TTL", "60"), ("DISTLOCK_MAX_TTL", -1),
         ("DISTLOCK_POLL_INTERVAL", float("nan")), ("DISTLOCK_RENEW_FRACTION", 1),
         ("DISTLOCK_DEFAULT_TIMEOUT", -2), ("DISTLOCK_DEFAULT_TIMEOUT", True),
-        ("DISTLOCK_WAKEUPS", "yes"),
+        ("DISTLOCK_WAKEUPS", "yes"), ("DISTLOCK_PREPARE_STATEMENTS", 1),
     ],
 )
 def test_bad_setting_values(setting, value):

@@ -175,30 +175,76 @@ def test_renew_refusals_keep_their_reasons():
         other.renew()
 
 
+def _prepared_acquires() -> int:
+    """How many statements calling distlock_acquire this session has prepared."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
+            ["%distlock_acquire(%"],
+        )
+        return cursor.fetchone()[0]
+
+
 @postgresql_only
-def test_statements_are_prepared_only_when_the_connection_says_so():
-    """Django's default (prepare_threshold None) never prepares: a PgBouncer in
-    transaction mode cannot follow prepared statements. OPTIONS["prepare_threshold"] can."""
+def test_statements_are_prepared_once_per_session():
+    """DISTLOCK_PREPARE_STATEMENTS (default True): prepared at first use, then reused."""
+    connection.close()
+    acquire("prepared", ttl=30, blocking=False).release()
+    assert _prepared_acquires() == 1
+    for _ in range(3):
+        acquire("prepared", ttl=30, blocking=False).release()
+    assert _prepared_acquires() == 1
 
-    def prepared() -> int:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s",
-                ["%distlock_acquire(%"],
-            )
-            return cursor.fetchone()[0]
 
+@postgresql_only
+def test_statements_follow_the_connection_when_told_not_to_prepare(settings):
+    """DISTLOCK_PREPARE_STATEMENTS = False (a PgBouncer without prepared statements):
+    like Django's own queries, prepared only if OPTIONS["prepare_threshold"] says so."""
+    settings.DISTLOCK_PREPARE_STATEMENTS = False
+    connection.close()
     for _ in range(3):
         acquire("prepared", ttl=30, blocking=False).release()
     assert connection.connection.prepare_threshold is None
-    assert prepared() == 0
+    assert _prepared_acquires() == 0
     connection.connection.prepare_threshold = 0  # what OPTIONS {"prepare_threshold": 0} sets
     try:
         for _ in range(2):
             acquire("prepared", ttl=30, blocking=False).release()
-        assert prepared() == 1
+        assert _prepared_acquires() == 1
     finally:
         connection.connection.prepare_threshold = None
+
+
+@postgresql_only
+def test_a_session_that_lost_its_prepared_statements_prepares_them_again():
+    """DEALLOCATE ALL behind psycopg's back (psycopg still thinks they exist): the next
+    operation is not refused for it, nor is any later one on that connection."""
+    connection.close()
+    acquire("prepared", ttl=30, blocking=False).release()
+    raw = connection.connection
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    assert _prepared_acquires() == 0
+    for _ in range(2):
+        lease = acquire("prepared", ttl=30, blocking=False)
+        assert lease is not None
+        assert lease.release()
+    assert connection.connection is raw
+    assert _prepared_acquires() == 1
+
+
+@postgresql_only
+def test_preparing_leaves_djangos_own_queries_unprepared():
+    """Django's queries on the same connection stay as Django's default makes them."""
+    connection.close()
+    acquire("prepared", ttl=30, blocking=False).release()
+    assert connection.connection.prepare_threshold is None
+    for _ in range(10):
+        Lock.objects.filter(name="prepared").update(holder="x")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement NOT LIKE %s",
+                       ["%distlock_%"])
+        assert cursor.fetchone()[0] == 0
 
 
 def test_operations_reuse_one_connection():

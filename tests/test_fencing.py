@@ -365,6 +365,42 @@ def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
     assert not Order.objects.filter(status="shipped").exists()
 
 
+@pytest.mark.skipif(
+    "connection.vendor != 'postgresql'", reason="the one-statement form is PostgreSQL's"
+)
+def test_one_statement_fenced_update_guards_every_row_unless_one_is_pinned():
+    """All or nothing in one statement: a filter that pins a unique column (pk=...) matches
+    one row at most, so the statement needs no guard against skipped rows; any other
+    filter carries NOT EXISTS (a skipped row), and is still refused as a whole."""
+    first, second = AccountFactory(balance=3), AccountFactory(balance=4)
+    lease = acquire(f"account:{first.pk}", ttl=30)
+
+    def sql_of(rows, **changes):
+        with CaptureQueriesContext(connection) as captured:
+            rows.fenced_update(lease, **changes)
+        return captured[0]["sql"]
+
+    pinned = sql_of(Account.objects.filter(pk=first.pk, balance=first.balance), note="a")
+    assert "NOT EXISTS" not in pinned
+    assert pinned.count(f'"id" = {first.pk}') == 1  # the lock name's condition is the filter's
+    either = Account.objects.filter(pk=first.pk) | Account.objects.filter(pk=second.pk)
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        either.fenced_update(lease, note="b")
+    assert "NOT EXISTS" in sql_of(Account.objects.filter(pk__in=[first.pk]), note="c")
+    assert "NOT EXISTS" in sql_of(Account.objects.filter(balance=first.balance), note="c")
+    assert list(Account.objects.order_by("pk").values_list("note", flat=True)) == ["c", ""]
+    # A pinned row holding a newer token: refused, not written.
+    Account.objects.filter(pk=first.pk).update(balance=5)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {Account._meta.db_table} SET fence_token = %s WHERE id = %s",
+            [lease.token + 1, first.pk],
+        )
+    with pytest.raises(StaleToken):
+        Account.objects.filter(pk=first.pk).fenced_update(lease, balance=F("balance") + 1)
+    assert Account.objects.get(pk=first.pk).balance == 5
+
+
 def test_bulk_writes_match_lock_names_exactly():
     """The row's lock name must be the lease's, character for character, on every backend:
     "customer:07" is not customer 7's lock, "counter:abc" is not counter "Abc"'s."""
