@@ -93,8 +93,10 @@ def build(backends: list[str], scale: bool, with_redis: bool,
         dbs.create_pg()
         dbs.prepare("default", dbs.POOL)
         pg = [c.PgUpsert(dbs.pg_conninfo()), c.Distlock("default"),
-              c.Distlock("default", "distlock, unprepared",
-                         DISTLOCK_PREPARE_STATEMENTS=False),
+              c.Distlock("default", "distlock, durable release",
+                         DISTLOCK_DURABLE_RELEASE=True),
+              c.Distlock("default", "distlock, durable release, unprepared",
+                         DISTLOCK_DURABLE_RELEASE=True, DISTLOCK_PREPARE_STATEMENTS=False),
               c.DistlockBlocking("default"), c.PgSelectForUpdate(dbs.pg_conninfo())]
         if _has_db_mutex():
             pg.append(c.DjangoDbMutex())

@@ -16,7 +16,11 @@ class DistlockConfig(AppConfig):
         checks.register(distlock_checks.check_database, checks.Tags.database)
         checks.register(distlock_checks.check_fenced_models, checks.Tags.models)
 
+        from django.core.signals import setting_changed
+
         from distlock import audit
 
-        audit.connect()
+        audit.follow_setting()
+        # After conf's own receiver (connected at its import), so the new value is read.
+        setting_changed.connect(audit.follow_setting, dispatch_uid="distlock.audit.follow")
         checks.register(audit.check_audit_settings)

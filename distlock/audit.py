@@ -115,14 +115,42 @@ def _stale_write(
     )
 
 
+def _receivers() -> list[tuple[Any, Any, str]]:
+    return [
+        (signals.lock_acquired, _acquired, "acquired"),
+        (signals.lock_renewed, _renewed, "renewed"),
+        (signals.lock_released, _released, "released"),
+        (signals.lock_broken, _broken, "broken"),
+        (signals.lock_lost, _lost, "lost"),
+        (signals.stale_write_refused, _stale_write, "stale_write"),
+    ]
+
+
 def connect() -> None:
     """Connect the audit receivers to distlock's signals (idempotent)."""
-    signals.lock_acquired.connect(_acquired, dispatch_uid=_UID + "acquired")
-    signals.lock_renewed.connect(_renewed, dispatch_uid=_UID + "renewed")
-    signals.lock_released.connect(_released, dispatch_uid=_UID + "released")
-    signals.lock_broken.connect(_broken, dispatch_uid=_UID + "broken")
-    signals.lock_lost.connect(_lost, dispatch_uid=_UID + "lost")
-    signals.stale_write_refused.connect(_stale_write, dispatch_uid=_UID + "stale_write")
+    for signal, receiver, key in _receivers():
+        signal.connect(receiver, dispatch_uid=_UID + key)
+
+
+def disconnect() -> None:
+    """Disconnect them again (idempotent)."""
+    for signal, receiver, key in _receivers():
+        signal.disconnect(receiver, dispatch_uid=_UID + key)
+
+
+def follow_setting(**kwargs: Any) -> None:
+    """Receivers connected only while DISTLOCK_AUDIT is on (ready() and setting_changed).
+
+    With audit off (the default) a signal with no other receiver returns at once: every
+    acquire and release sends one, and a receiver that only looks at the setting is a
+    measurable part of their client CPU (see benchmarks/).
+    """
+    if kwargs.get("setting", "DISTLOCK_AUDIT") != "DISTLOCK_AUDIT":
+        return
+    if conf.AUDIT:
+        connect()
+    else:
+        disconnect()
 
 
 def retention() -> float | None:

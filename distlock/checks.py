@@ -49,7 +49,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             "DISTLOCK_RENEW_FRACTION must be a number between 0 and 1 (exclusive).",
             id="distlock.E005",
         ))
-    for key in ("WAKEUPS", "PREPARE_STATEMENTS"):
+    for key in ("WAKEUPS", "PREPARE_STATEMENTS", "DURABLE_RELEASE"):
         if not isinstance(getattr(conf, key), bool):
             errors.append(Error(f"DISTLOCK_{key} must be True or False.", id="distlock.E005"))
     if (

@@ -37,6 +37,10 @@ DEFAULTS: dict[str, Any] = {
     # server does not parse and plan every lock operation. Turn off behind a
     # transaction-pooling PgBouncer older than 1.21 (or with max_prepared_statements = 0).
     "DISTLOCK_PREPARE_STATEMENTS": True,
+    # PostgreSQL: let a release commit without waiting for its WAL flush. A release lost
+    # in a database crash leaves the lock held until that lease's expiry, as a crashed
+    # holder does; grants and renewals always wait (see migration 0006).
+    "DISTLOCK_DURABLE_RELEASE": False,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,
     # Audit events older than this many seconds (or timedelta) are deleted by

@@ -457,8 +457,8 @@ def release(
     """
     if connection.vendor == "postgresql":
         cursor.execute(
-            "SELECT held, released_us FROM distlock_release(%s, %s, %s::bigint)",
-            [name, owner, token],
+            "SELECT held, released_us FROM distlock_release(%s, %s, %s::bigint, %s)",
+            [name, owner, token, bool(conf.DURABLE_RELEASE)],
         )
         held, released_us = cursor.fetchone()
         return bool(held), released_us

@@ -16,8 +16,9 @@ transaction on the model's database and is decided there, never by Python:
 
 On PostgreSQL, outside the caller's ``atomic()``, ``save(fence=)`` of an existing row and
 ``fenced_update`` are *one* autocommit statement: the ownership check is folded into the
-conditional UPDATE as ``EXISTS (… FOR SHARE)``, which PostgreSQL runs once, before it
-writes a row, holding the share lock until the statement commits. Same check, same lock,
+conditional UPDATE as ``(SELECT distlock_holds(…))`` (the same locking read, FOR SHARE,
+in a function of migration 0007), which PostgreSQL runs once, before it writes a row,
+holding the share lock until the statement commits. Same check, same lock,
 one round trip and one commit instead of five (see the README, Performance).
 
 A refusal raises :class:`~distlock.exceptions.StaleToken`, writes nothing (the statement
@@ -365,11 +366,13 @@ def _owner_check(connection: BaseDatabaseWrapper, lease: Lease) -> None:
 
 
 class _LeaseHolds(Expression):
-    """``EXISTS (<the ownership check>)``: the locking read inside the write's own statement.
+    """The ownership check inside the write's own statement (PostgreSQL only).
 
-    Uncorrelated, so PostgreSQL evaluates it once per statement (an InitPlan) before the
-    first row is written; its FOR SHARE row lock lasts until the statement's transaction
-    ends, and a lock row changed meanwhile is re-checked in its latest version.
+    ``(SELECT distlock_holds(name, owner, token))`` — migration 0007's function, the same
+    locking read as :func:`owner_check_sql`. Uncorrelated, so PostgreSQL evaluates it once
+    per statement (an InitPlan) before the first row is written; its FOR SHARE row lock
+    lasts until the statement's transaction ends, and a lock row changed meanwhile is
+    re-checked in its latest version.
     """
 
     conditional = True
@@ -382,7 +385,7 @@ class _LeaseHolds(Expression):
     def as_sql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
     ) -> tuple[str, list[Any]]:
-        return f"EXISTS ({owner_check_sql(connection)})", list(self.params)
+        return "(SELECT distlock_holds(%s, %s, %s::bigint))", list(self.params)
 
 
 def _folded_check(model: type[FencedModel], lease: Lease, using: str) -> _LeaseHolds | None:
@@ -588,9 +591,10 @@ class FencedQuerySet(models.QuerySet[M]):
         row's share lock no newer lease can be granted, so none can write meanwhile.
         """
         token = lease.token
-        skipped = Q(fence_token__gt=token)
-        if same_name is not None:
-            skipped |= ~same_name
+        # The rows this queryset matches that the UPDATE would not write.
+        skipped = Q(fence_token__gt=token) if same_name is None else (
+            Q(fence_token__gt=token) | ~same_name
+        )
         inversion = None if same_name is None else _inversion(self.model, lease.name)
         pinned = _pinned(self.query)
         if folded is not None and pinned and (same_name is None or isinstance(inversion, tuple)):

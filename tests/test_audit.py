@@ -36,6 +36,28 @@ def wait_expired(name: str) -> None:
         time.sleep(0.01)
 
 
+def test_audit_receivers_are_connected_only_while_audit_is_on(settings):
+    """With audit off, acquire's and release's signals have no audit receiver to call."""
+
+    def audit_receivers() -> set[str]:
+        found = set()
+        for signal in (signals.lock_acquired, signals.lock_released, signals.lock_lost):
+            found |= {key[0] for key, *_ in signal.receivers if str(key[0]).startswith(
+                "distlock.audit.")}
+        return found
+
+    settings.DISTLOCK_AUDIT = False
+    assert audit_receivers() == set()
+    settings.DISTLOCK_AUDIT = True
+    assert audit_receivers() == {
+        "distlock.audit.acquired", "distlock.audit.released", "distlock.audit.lost"
+    }
+    acquire("follow", ttl=30).release()
+    assert kinds("follow") == ["acquired", "released"]
+    settings.DISTLOCK_AUDIT = False
+    assert audit_receivers() == set()
+
+
 def test_nothing_is_recorded_when_audit_is_off():
     assert LockEvent._meta.db_table == "distlock_lockevent"
     lease = acquire("quiet", ttl=30)

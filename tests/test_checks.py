@@ -44,6 +44,7 @@ def test_default_settings_pass():
         ("DISTLOCK_POLL_INTERVAL", float("nan")), ("DISTLOCK_RENEW_FRACTION", 1),
         ("DISTLOCK_DEFAULT_TIMEOUT", -2), ("DISTLOCK_DEFAULT_TIMEOUT", True),
         ("DISTLOCK_WAKEUPS", "yes"), ("DISTLOCK_PREPARE_STATEMENTS", 1),
+        ("DISTLOCK_DURABLE_RELEASE", "no"),
     ],
 )
 def test_bad_setting_values(setting, value):

@@ -279,3 +279,58 @@ def test_a_broken_connection_fails_the_call_and_is_replaced_by_the_next():
     assert lease is not None and connection.connection.info.backend_pid != pid
     assert Lock.objects.get(name="reconnect").owner == lease.owner
     assert lease.release() is True
+
+
+@postgresql_only
+def test_a_release_commits_without_waiting_for_its_flush_unless_told(settings):
+    """DISTLOCK_DURABLE_RELEASE (default False): the release's own transaction runs with
+    synchronous_commit = off; grants stay durable. True: the release waits too."""
+
+    def durable_flags(**options) -> list[bool]:
+        lease = acquire("durable", ttl=30)
+        with CaptureQueriesContext(connection) as captured:
+            assert lease.release() is True
+        (statement,) = captured.captured_queries
+        assert "distlock_release(" in statement["sql"]
+        return [statement["sql"].rstrip(")").rsplit(",", 1)[1].strip()]
+
+    assert durable_flags() == ["false"]
+    settings.DISTLOCK_DURABLE_RELEASE = True
+    assert durable_flags() == ["true"]
+    # What the function does with it, as the database reports it.
+    with connection.cursor() as cursor:
+        for flag in (False, True):
+            lease = acquire("durable", ttl=30)
+            cursor.execute(
+                "SELECT held, durable FROM distlock_release(%s, %s, %s, %s)",
+                [lease.name, lease.owner, lease.token, flag],
+            )
+            assert cursor.fetchone() == (True, flag)
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] != "off"  # the session's setting is left alone
+
+
+@postgresql_only
+def test_migrations_0006_and_0007_go_back_and_forth():
+    from django.core.management import call_command
+
+    def signatures(function: str) -> list[str]:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT oidvectortypes(proargtypes) FROM pg_proc WHERE proname = %s",
+                [function],
+            )
+            return sorted(row[0] for row in cursor.fetchall())
+
+    assert signatures("distlock_release") == ["text, text, bigint, boolean"]
+    assert signatures("distlock_holds") == ["text, text, bigint"]
+    try:
+        call_command("migrate", "distlock", "0005", verbosity=0)
+        assert signatures("distlock_release") == ["text, text, bigint"]
+        assert signatures("distlock_holds") == []
+    finally:
+        call_command("migrate", "distlock", verbosity=0)
+    assert signatures("distlock_release") == ["text, text, bigint, boolean"]
+    assert signatures("distlock_holds") == ["text, text, bigint"]
+    lease = acquire("migrated", ttl=30)
+    assert lease.release() is True

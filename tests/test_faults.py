@@ -414,6 +414,43 @@ def test_restart_during_acquire_gives_an_error_never_a_phantom(server, agents, m
     assert (row["owner"], row["token"]) == (again["owner"], again["token"])
 
 
+def test_a_release_lost_in_a_crash_only_keeps_the_lock_until_its_lease_ends(server, agents):
+    """A release commits without waiting for its WAL flush (DISTLOCK_DURABLE_RELEASE off):
+    a crash right after it may undo it. Then the lock is held by the lease that released
+    it, until that lease's expiry, and the next grant's token is still one higher — never
+    a free lock that forgot its token, nor a grant that outlived its release."""
+    name = "crash-after-release"
+    token = make_free_row(server, name)
+    # The WAL writer would write the release out within 200 ms; give the crash the time.
+    server.query("ALTER SYSTEM SET wal_writer_delay = '10s'")
+    server.query("SELECT pg_reload_conf()")
+    holder = agents.start_agent("H", name)
+    try:
+        send(holder, "acquire", ttl=3)
+        held = holder.expect("acquired")
+        assert held["token"] == token + 1
+        send(holder, "release")
+        assert holder.expect("released")["held"] is True
+        server.restart("immediate")
+    finally:
+        server.query("ALTER SYSTEM RESET wal_writer_delay")
+        server.query("SELECT pg_reload_conf()")
+    row = server.lock_row(name)
+    assert row["token"] == held["token"], row
+    assert row["owner"] in ("", held["owner"]), row
+    lost = row["owner"] == held["owner"]
+    if lost:
+        assert row["expires_us"] == held["expires_us"], "the lease came back changed"
+    other = agents.start_agent("O", name)
+    send(other, "acquire", ttl=5, timeout=30)
+    got = other.expect("acquired", timeout=40)
+    assert got["token"] == held["token"] + 1
+    if lost:
+        # Not before the released lease's own expiry, by the database clock.
+        assert got["acquired_us"] >= held["expires_us"]
+    print(f"release {'lost' if lost else 'kept'} by the crash")
+
+
 # -- a connection killed during COMMIT -------------------------------------------------------
 
 SLOW_COMMIT = """

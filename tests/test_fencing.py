@@ -553,6 +553,12 @@ def _statements(captured) -> list[str]:
     ]
 
 
+def _function_body(name: str) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = %s", [name])
+        return cursor.fetchone()[0]
+
+
 def test_captured_sql_is_a_locking_check_then_one_conditional_write():
     """No read of the data row decides anything: the UPDATE's WHERE does.
 
@@ -581,14 +587,16 @@ def test_captured_sql_is_a_locking_check_then_one_conditional_write():
         if vendor == "postgresql" and what in ("save", "fenced_update"):
             assert len(captured) == 1, (what, [q["sql"] for q in captured])
             (update,) = _statements(captured)
-            check = update.split("EXISTS (", 1)[1]
-            assert check.startswith("SELECT 1 FROM distlock_lock"), what
-            assert f"{share})" in check, what
+            call = update.split("(SELECT distlock_holds(", 1)[1].split(")", 1)[0]
+            assert call == f"'{lease.name}', '{lease.owner}', {lease.token}::bigint", what
+            check = _function_body("distlock_holds")
+            assert "FROM distlock_lock" in check and share in check, what
+            assert "p_owner" in check and "l.token = p_token" in check, what
         else:
             check, update, *rest = _statements(captured)
             assert "distlock_lock" in check and check.rstrip().endswith(share), what
+            assert lease.owner in check and f"token = {lease.token}" in check, what
         assert clock[vendor] in check and "expires_us >" in check, what
-        assert lease.owner in check and f"token = {lease.token}" in check, what
         if what == "create":
             assert update.startswith("INSERT") and table in update, what
             continue
