@@ -7,16 +7,19 @@ old holder's fenced write and a new grant are allowed. The database clock expres
 is tried at ``expires - 1 µs`` and at ``expires``.
 
 On PostgreSQL acquire, renew and release are server-side functions that read
-``clock_timestamp()`` themselves; there only the fenced write's ownership check (SQL built
-in Python) can be pinned, so the take-over half runs on SQLite and MariaDB.
+``clock_timestamp()`` themselves, and so is the one-statement fenced write's check
+(``distlock_holds``, migration 0007; its strict ``expires_us >`` is asserted in
+test_fencing). There only the fenced write inside ``atomic()`` (the ownership check as SQL
+built in Python) can be pinned, so the take-over half runs on SQLite and MariaDB.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 from django.db.models import F
 
 from distlock import LockLost, acquire, db
@@ -51,9 +54,11 @@ def server_side() -> bool:
 
 
 def write(lease) -> int:
-    return Resource.objects.filter(name=lease.name).fenced_update(
-        lease, value=F("value") + 1
-    )
+    # Inside atomic() on PostgreSQL: the check is then SQL built in Python (pinnable).
+    with transaction.atomic() if server_side() else contextlib.nullcontext():
+        return Resource.objects.filter(name=lease.name).fenced_update(
+            lease, value=F("value") + 1
+        )
 
 
 def test_the_fenced_write_is_allowed_until_the_last_microsecond_only(clock):

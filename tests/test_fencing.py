@@ -592,6 +592,7 @@ def test_captured_sql_is_a_locking_check_then_one_conditional_write():
             check = _function_body("distlock_holds")
             assert "FROM distlock_lock" in check and share in check, what
             assert "p_owner" in check and "l.token = p_token" in check, what
+            assert "l.expires_us > CAST(EXTRACT(EPOCH FROM clock_timestamp())" in check, what
         else:
             check, update, *rest = _statements(captured)
             assert "distlock_lock" in check and check.rstrip().endswith(share), what
