@@ -56,8 +56,6 @@ def record(
 
 
 def _acquired(sender: Any, lease: Any, took_over: str = "", **kwargs: Any) -> None:
-    if not conf.AUDIT:
-        return  # every acquire comes here: return before the import below
     from distlock.models import LockEvent
 
     if took_over:

@@ -32,7 +32,7 @@ import functools
 import re
 import string
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import connections, models, router, transaction
@@ -226,30 +226,13 @@ def _inversion(model: type[FencedModel], name: str) -> tuple[Any, int | str] | o
     return field, value
 
 
-def _inverted_name(model: type[FencedModel], name: str) -> Q | None:
-    """The lock-name condition as a condition on the one field of a ``fence_name`` such as
-    ``"account:{pk}"``: ``pk = 42`` for ``"account:42"``, instead of building every row's
-    name in SQL. None when :func:`_inversion` is. Exactly the rows whose name is ``name``
-    match (a NULL field matches no lease); a name the template cannot produce matches no
-    row.
-    """
-    inversion = _inversion(model, name)
-    if inversion is None:
-        return None
-    if inversion is _NO_ROW:
-        return Q(pk__in=[])
-    field, value = inversion  # type: ignore[misc]
-    if isinstance(value, int):
-        return Q(**{field.attname: value})
-    return Q(_SameName(F(field.attname), value))
-
-
 def _with_fence(
-    queryset: models.QuerySet[Any], lease: Lease, inversion: Any, holds: _LeaseHolds,
+    queryset: models.QuerySet[Any], lease: Lease, column: tuple[Any, int | str] | None,
+    holds: _LeaseHolds,
 ) -> models.QuerySet[Any]:
     """``queryset`` narrowed to the rows ``lease`` may write: ``fence_token <= token``, the
-    lock name's column condition (``inversion``, a (field, value) pair, or None for none)
-    and the ownership check ``holds``.
+    lock name's column condition (``column``: a :class:`_NameTest`'s (field, value), or
+    None for none) and the ownership check ``holds``.
 
     The same WHERE that ``filter()`` builds from the Q objects, with the lookups made
     directly: resolving them through ``filter()`` on every write was most of a fenced
@@ -261,33 +244,56 @@ def _with_fence(
     where = query.where
     fence = queryset.model._meta.get_field(FENCE_FIELD)
     where.add(LessThanOrEqual(Col(alias, fence), lease.token), AND)
-    if inversion is not None:
-        field, value = inversion
-        column = Col(alias, field)
-        where.add(Exact(column, value) if isinstance(value, int) else _SameName(column, value),
-                  AND)
+    if column is not None:
+        field, value = column
+        col = Col(alias, field)
+        where.add(Exact(col, value) if isinstance(value, int) else _SameName(col, value), AND)
     where.add(holds, AND)
     return rows
 
 
-def _name_condition(model: type[FencedModel], name: str, *, required: bool) -> Q | None:
-    """A WHERE condition: the row's lock name, computed in SQL, is ``name``.
+class _NameTest(NamedTuple):
+    """How a write tells the rows of one lock: the row's lock name, computed in SQL, is it.
 
-    None when every row has the same lock name (the caller compares it once) or, with
-    ``required=False``, when the model gives no SQL form of its lock name.
+    ``q`` is that WHERE condition (None when every row has the same lock name, which the
+    caller compares once, or the model gives no SQL form of its names). ``column`` is set
+    when the condition is one column's value (:func:`_inversion`'s (field, value)), so it
+    can also be built without ``filter()`` (:func:`_with_fence`).
     """
-    inverted = _inverted_name(model, name)
-    if inverted is not None:
-        return inverted
+
+    column: tuple[Any, int | str] | None
+    q: Q | None
+
+    @property
+    def direct(self) -> bool:
+        """True if :func:`_with_fence` can carry it (one column, or no condition at all)."""
+        return self.column is not None or self.q is None
+
+
+def _name_test(model: type[FencedModel], name: str, *, required: bool) -> _NameTest:
+    """The :class:`_NameTest` of lock ``name``; NotImplementedError if ``required`` and the
+    model has no SQL form of its lock names.
+
+    For a one-field template (``"account:{pk}"``) the name test is a test of that field
+    (``pk = 42`` for ``"account:42"``), instead of building every row's name in SQL:
+    exactly the rows whose name is ``name`` match (a NULL field matches no lease), and a
+    name the template cannot produce matches no row.
+    """
+    inversion = _inversion(model, name)
+    if inversion is _NO_ROW:
+        return _NameTest(None, Q(pk__in=[]))
+    if inversion is not None:
+        field, value = inversion  # type: ignore[misc]
+        if isinstance(value, int):
+            return _NameTest((field, value), Q(**{field.attname: value}))
+        return _NameTest((field, value), Q(_SameName(F(field.attname), value)))
     try:
         expression = model.get_fence_name_expression()
     except NotImplementedError:
         if required:
             raise
-        return None
-    if expression is None:
-        return None
-    return Q(_SameName(expression, name))
+        return _NameTest(None, None)
+    return _NameTest(None, None if expression is None else Q(_SameName(expression, name)))
 
 
 def _constant_name(model: type[FencedModel]) -> str | None:
@@ -519,7 +525,7 @@ class FencedQuerySet(models.QuerySet[M]):
             raise ValueError(f"{FENCE_FIELD} is written only by fenced writes")
         return super().bulk_update(objs, fields, *args, **kwargs)
 
-    def _fence_target(self, lease: Lease, changes: Iterable[str]) -> Q | None:
+    def _fence_target(self, lease: Lease, changes: Iterable[str]) -> _NameTest:
         model = self.model
         local = _local_columns(model)
         for name in (*changes, FENCE_FIELD):
@@ -539,8 +545,8 @@ class FencedQuerySet(models.QuerySet[M]):
         if constant is not None:
             if constant != lease.name:
                 _refuse_other_lock(model, lease, constant, "rows")
-            return None
-        return _name_condition(model, lease.name, required=True)
+            return _NameTest(None, None)
+        return _name_test(model, lease.name, required=True)
 
     def fenced_update(self, lease: Lease, **changes: Any) -> int:
         """Update every row of this queryset if ``lease`` may write all of them; the count.
@@ -578,7 +584,7 @@ class FencedQuerySet(models.QuerySet[M]):
         return _fenced(self.model, lease, self.db, write, self._row_token, "rows")
 
     def _claim(
-        self, lease: Lease, same_name: Q | None, changes: dict[str, Any],
+        self, lease: Lease, same_name: _NameTest, changes: dict[str, Any],
         folded: _LeaseHolds | None,
     ) -> int:
         """The conditional UPDATE of every row (setting ``fence_token``); its count.
@@ -592,19 +598,19 @@ class FencedQuerySet(models.QuerySet[M]):
         """
         token = lease.token
         # The rows this queryset matches that the UPDATE would not write.
-        skipped = Q(fence_token__gt=token) if same_name is None else (
-            Q(fence_token__gt=token) | ~same_name
+        skipped = Q(fence_token__gt=token) if same_name.q is None else (
+            Q(fence_token__gt=token) | ~same_name.q
         )
-        inversion = None if same_name is None else _inversion(self.model, lease.name)
         pinned = _pinned(self.query)
-        if folded is not None and pinned and (same_name is None or isinstance(inversion, tuple)):
+        if folded is not None and pinned and same_name.direct:
             # filter(pk=42) with lock "account:42": the name condition is already there.
-            rows = _with_fence(self, lease, None if inversion in pinned else inversion, folded)
+            column = None if same_name.column in pinned else same_name.column
+            rows = _with_fence(self, lease, column, folded)
         else:
             # One filter() call: each one clones and resolves the query again.
             fenced = Q(fence_token__lte=token)
-            if same_name is not None:
-                fenced &= same_name
+            if same_name.q is not None:
+                fenced &= same_name.q
             if folded is not None:
                 fenced &= Q(folded)
                 if not pinned:
@@ -815,21 +821,15 @@ class FencedModel(models.Model):
                 base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
             )
         lease, folded = fence
-        # Django filters base_qs by the pk next: one row at most.
-        inversion = _inversion(type(self), lease.name)
-        same_name = (
-            None if isinstance(inversion, tuple)
-            else _name_condition(type(self), lease.name, required=False)
-        )
-        if folded is not None and same_name is None:
-            base_qs = _with_fence(base_qs, lease, inversion, folded)
+        same_name = _name_test(type(self), lease.name, required=False)
+        if folded is not None and same_name.direct:
+            # Django filters base_qs by the pk next: one row at most.
+            base_qs = _with_fence(base_qs, lease, same_name.column, folded)
         else:
             # One filter() call: each one clones and resolves the query again.
             conditions = Q(fence_token__lte=lease.token)
-            if same_name is not None:
-                conditions &= same_name
-            elif inversion is not None:
-                conditions &= _inverted_name(type(self), lease.name)
+            if same_name.q is not None:
+                conditions &= same_name.q
             if folded is not None:
                 conditions &= Q(folded)
             base_qs = base_qs.filter(conditions)
@@ -867,7 +867,7 @@ class FencedModel(models.Model):
 
         def write(folded: _LeaseHolds | None) -> tuple[int, dict[str, int]]:
             rows = cls._base_manager.using(using).filter(pk=pk, fence_token__lte=lease.token)
-            same_name = _name_condition(cls, lease.name, required=False)
+            same_name = _name_test(cls, lease.name, required=False).q
             if same_name is not None:
                 rows = rows.filter(same_name)
             if models.QuerySet.update(rows, fence_token=lease.token) == 0:
