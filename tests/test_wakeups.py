@@ -6,8 +6,6 @@ time from release to grant tells whether the notification or the poll woke it.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from django.db import connection
 
@@ -36,36 +34,28 @@ def _raw():
     return psycopg.connect(**params, autocommit=True)
 
 
-def _wait_for_refused_try(raw, pid: int, registered: bool, timeout: float = 30.0) -> None:
-    """Until backend ``pid`` has been refused the lock (and, if ``registered``, listens)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        refused = raw.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND state = 'idle' "
-            "AND query LIKE %s",
-            [pid, "%distlock_acquire(%"],
-        ).fetchone()[0]
-        waiting = raw.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
-            "AND mode = 'ShareLock' AND granted AND pid = %s",
-            [WAKEUP_CLASS, pid],
-        ).fetchone()[0]
-        if refused and (waiting if registered else True):
-            return
-        assert time.monotonic() < deadline, "the waiter never made its refused try"
-        time.sleep(0.01)
+def _registered(raw, pid: int) -> bool:
+    """Whether backend ``pid`` holds the shared advisory lock that says "someone waits"."""
+    return raw.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+        "AND mode = 'ShareLock' AND granted AND pid = %s",
+        [WAKEUP_CLASS, pid],
+    ).fetchone()[0] == 1
 
 
 @pytest.mark.processes
 @pytest.mark.parametrize("wakeups", [True, False], ids=["wakeups", "polling"])
 def test_release_wakes_the_waiter_at_once(children, wakeups):
     holder = acquire("wake", ttl=60)
-    waiter = children.start("wait_for", "wake", 30.0, 60.0, POLL, wakeups)
+    waiter = children.start("wait_for", "wake", 30.0, 60.0, POLL, wakeups, True)
     pid = waiter.expect("ready", timeout=60)["backend_pid"]
     raw = _raw()
     try:
         waiter.send("go")
-        _wait_for_refused_try(raw, pid, registered=wakeups)
+        pause = waiter.expect("pausing", timeout=30)
+        assert pause["listening"] is wakeups
+        assert pause["seconds"] >= POLL / 2
+        assert _registered(raw, pid) is wakeups
         released_us = db_now_us("default")
         assert holder.release() is True
         got = waiter.expect("acquired", timeout=30)

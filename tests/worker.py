@@ -100,16 +100,30 @@ def try_once(name: str, ttl: float) -> None:
 
 
 def wait_for(name: str, ttl: float, timeout: float, poll: float | None = None,
-             wakeups: bool = True) -> None:
+             wakeups: bool = True, report_pauses: bool = False) -> None:
     """Blocking acquire after a "go" command; reports how long it waited.
 
     ``poll`` fixes the back-off pause (DISTLOCK_POLL_INTERVAL and _MAX_INTERVAL);
-    ``wakeups`` is DISTLOCK_WAKEUPS.
+    ``wakeups`` is DISTLOCK_WAKEUPS. With ``report_pauses`` a "pausing" event is
+    printed each time the acquire, refused, starts to wait: the one sure sign that its
+    try is over. (Watching pg_stat_activity is not: psycopg prepares a statement in a
+    round trip of its own, after which the backend is idle with the statement's text
+    although it has not run it yet.)
     """
     from django.db import connection
     from django.test.utils import override_settings
 
     from distlock import acquire
+    from distlock.wakeups import Waiter
+
+    if report_pauses:
+        wait = Waiter.wait
+
+        def reported(self: Waiter, seconds: float) -> None:
+            emit("pausing", seconds=seconds, listening=self.listening)
+            wait(self, seconds)
+
+        Waiter.wait = reported  # type: ignore[method-assign]
 
     options: dict[str, Any] = {"DISTLOCK_WAKEUPS": wakeups}
     if poll is not None:
