@@ -155,13 +155,19 @@ def run_rounds(sections: list[Section], args: argparse.Namespace) -> None:
 
 
 def run_scale(args: argparse.Namespace) -> dict[str, dict[str, list[Result]]]:
-    """Solo cycles on a 1,000-row and a 1,000,000-row table, alternating, per contender."""
+    """Solo cycles on a 1,000-row and a 1,000,000-row table, alternating, per contender.
+
+    Its own number of rounds (``--scale-rounds``, default 7): a 1M/1k ratio divides two
+    measurements taken seconds apart, each moving by ±10 % on a shared machine, so with 3
+    rounds its median still strays by ±0.07 — as much for A as for distlock — which
+    is most of the distance to the 0.9 target. The solo measurements are cheap.
+    """
     tables = {
         "1k": ("default", dbs.pg_conninfo(), dbs.pool_names(dbs.POOL)),
         "1M": ("pg1m", dbs.pg_conninfo("_1m"), dbs.pool_names(dbs.BIG)),
     }
     results: dict[str, dict[str, list[Result]]] = {}
-    for round_no in range(args.rounds):
+    for round_no in range(args.scale_rounds):
         sizes = ["1k", "1M"] if round_no % 2 == 0 else ["1M", "1k"]
         for size in sizes:
             alias, conninfo, names = tables[size]
@@ -298,12 +304,17 @@ def targets(section: Section) -> list[str]:
     return out
 
 
+def scale_change(runs: dict[str, list[Result]]) -> float:
+    """Median over rounds of (rate on 1M rows / rate on 1k rows in the same round)."""
+    return statistics.median(b.rate / s.rate for s, b in zip(runs["1k"], runs["1M"], strict=True))
+
+
 def scale_table(results: dict[str, dict[str, list[Result]]]) -> str:
     lines = ["| scale (solo) | cycles/s @1k | cycles/s @1M | 1M / 1k | acq p50 µs 1k → 1M "
              "| acq p99 µs 1k → 1M |", "|---|---:|---:|---:|---|---|"]
     for label, sizes in results.items():
         small, big = sizes["1k"], sizes["1M"]
-        change = statistics.median(b.rate / s.rate for s, b in zip(small, big, strict=True))
+        change = scale_change(sizes)
         lines.append(
             f"| {label} | {_n(_median([r.rate for r in small]))} "
             f"| {_n(_median([r.rate for r in big]))} | {change:.2f} "
@@ -323,7 +334,8 @@ def conditions(sections: list[Section], args: argparse.Namespace) -> str:
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start; "
         f"Python {platform.python_version()}",
         f"- {args.rounds} round(s), {args.seconds} s per measurement after {args.warmup} s "
-        f"warm-up, {args.procs} processes for own/contend; medians over rounds; × A = "
+        f"warm-up, {args.procs} processes for own/contend ({args.scale_rounds} rounds of "
+        "the scale check); medians over rounds; × A = "
         "ratio to the first row in the same round, median over rounds",
     ]
     for section in sections:
@@ -358,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=8)
     parser.add_argument("--no-scale", action="store_true",
                         help="skip the 1,000 vs 1,000,000 rows check (PostgreSQL)")
+    parser.add_argument("--scale-rounds", type=int, default=7,
+                        help="rounds of the scale check (solo only, so cheap; default 7)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help="comma-separated: solo,own,contend (default: all)")
     parser.add_argument("--only", default="",
@@ -372,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(backends) - set(BACKENDS)
     if unknown or not backends:
         parser.error(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
-    if args.rounds < 1 or args.seconds <= 0 or args.procs < 2:
-        parser.error("need --rounds ≥ 1, --seconds > 0 and --procs ≥ 2")
+    if args.rounds < 1 or args.scale_rounds < 1 or args.seconds <= 0 or args.procs < 2:
+        parser.error("need --rounds ≥ 1, --scale-rounds ≥ 1, --seconds > 0 and --procs ≥ 2")
     scenarios = tuple(x.strip() for x in args.scenarios.split(",") if x.strip())
     if not scenarios or set(scenarios) - set(SCENARIOS):
         parser.error(f"--scenarios: choose from {', '.join(SCENARIOS)}")
@@ -407,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
                     print("Issue 7 targets (PostgreSQL, this run):\n" + "\n".join(checks) + "\n")
         if scaled:
             print(scale_table(scaled) + "\n")
+            mine, ref = scale_change(scaled["distlock"]), scale_change(scaled[c.PgUpsert.label])
+            print("Issue 7 target: 1,000,000 rows against 1,000 rows ≥ 0.9×: "
+                  f"{'met' if mine >= 0.9 else 'MISSED'} ({mine:.2f}×; A, no target: "
+                  f"{ref:.2f}×)\n")
         print(f"({time.monotonic() - started:.0f} s)")
         if args.json:
             dump = {s.title: {label: {sc: [asdict(r) for r in runs] for sc, runs in by.items()}
