@@ -252,6 +252,24 @@ def _with_fence(
     return rows
 
 
+def _filter_fence(
+    queryset: models.QuerySet[Any], lease: Lease, name_test: _NameTest,
+    holds: _LeaseHolds | None, *more: Exists,
+) -> models.QuerySet[Any]:
+    """The :func:`_with_fence` narrowing through ``filter()``, for what it cannot carry (a
+    name test that is not one column, a WHERE that is not an AND, no folded check),
+    ANDed with ``more``. One filter() call: each one clones and resolves the query again.
+    """
+    conditions = Q(fence_token__lte=lease.token)
+    if name_test.q is not None:
+        conditions &= name_test.q
+    if holds is not None:
+        conditions &= Q(holds)
+    for condition in more:
+        conditions &= condition
+    return queryset.filter(conditions)
+
+
 class _NameTest(NamedTuple):
     """How a write tells the rows of one lock: the row's lock name, computed in SQL, is it.
 
@@ -597,29 +615,24 @@ class FencedQuerySet(models.QuerySet[M]):
         row's share lock no newer lease can be granted, so none can write meanwhile.
         """
         token = lease.token
-        # The rows this queryset matches that the UPDATE would not write.
-        skipped = Q(fence_token__gt=token) if same_name.q is None else (
-            Q(fence_token__gt=token) | ~same_name.q
-        )
+
+        def skipped() -> Q:
+            """The rows this queryset matches that the UPDATE would not write."""
+            older = Q(fence_token__gt=token)
+            return older if same_name.q is None else older | ~same_name.q
+
         pinned = _pinned(self.query)
         if folded is not None and pinned and same_name.direct:
             # filter(pk=42) with lock "account:42": the name condition is already there.
             column = None if same_name.column in pinned else same_name.column
             rows = _with_fence(self, lease, column, folded)
         else:
-            # One filter() call: each one clones and resolves the query again.
-            fenced = Q(fence_token__lte=token)
-            if same_name.q is not None:
-                fenced &= same_name.q
-            if folded is not None:
-                fenced &= Q(folded)
-                if not pinned:
-                    fenced &= ~Exists(self.filter(skipped))
-            rows = self.filter(fenced)
+            guard = () if folded is None or pinned else (~Exists(self.filter(skipped())),)
+            rows = _filter_fence(self, lease, same_name, folded, *guard)
         count = models.QuerySet.update(rows, **changes, fence_token=token)
         if count and folded is not None:
             return int(count)
-        if self.filter(skipped).exists():
+        if self.filter(skipped()).exists():
             if self.filter(fence_token__gt=token).exists():
                 raise _Refused(by_owner_check=False)
             raise _OtherLock(
@@ -826,13 +839,7 @@ class FencedModel(models.Model):
             # Django filters base_qs by the pk next: one row at most.
             base_qs = _with_fence(base_qs, lease, same_name.column, folded)
         else:
-            # One filter() call: each one clones and resolves the query again.
-            conditions = Q(fence_token__lte=lease.token)
-            if same_name.q is not None:
-                conditions &= same_name.q
-            if folded is not None:
-                conditions &= Q(folded)
-            base_qs = base_qs.filter(conditions)
+            base_qs = _filter_fence(base_qs, lease, same_name, folded)
         values.append((field, None, lease.token))
         updated = super()._do_update(  # type: ignore[misc]
             base_qs, using, pk_val, values, update_fields, True, *args, **kwargs
