@@ -36,28 +36,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
 from benchmarks import run  # noqa: E402
+from distlock import db  # noqa: E402
 
 HOLDER = "bench pid=0 thread=MainThread"  # as long as distlock's own holder text
-ACQUIRE = ("SELECT status, token, acquired_us, expires_us, other, remaining_us "
-           "FROM distlock_acquire(%s, %s, %s, %s::bigint, %s::bigint)")
-RELEASE = "SELECT held, released_us FROM distlock_release(%s, %s, %s::bigint, %s)"
 
 
 class SqlFunctions(c._Psycopg):
-    """distlock's two SQL functions by raw psycopg, prepared, release not durable."""
+    """distlock's own statements (db._pg_acquire, db._pg_release) on a raw psycopg
+    connection, every statement prepared, the release not durable (the defaults)."""
 
     label = "distlock's SQL functions, raw psycopg"
 
+    def connect(self) -> None:
+        super().connect()
+        self.conn.prepare_threshold = 0
+
     def try_acquire(self, name: str) -> Any:
         owner = os.urandom(16).hex()
-        self.cur.execute(ACQUIRE, [name, owner, HOLDER, c.TTL_S * 1_000_000, 2**63 - 1],
-                         prepare=True)
-        row = self.cur.fetchone()
-        return (name, owner, row[1]) if row[0] == "granted" else None
+        result = db._pg_acquire(self.cur, name, owner, HOLDER, c.TTL_S * 1_000_000)
+        return (name, owner, result.token) if isinstance(result, db.Grant) else None
 
     def release(self, handle: Any) -> None:
-        self.cur.execute(RELEASE, [*handle, False], prepare=True)
-        self.cur.fetchone()
+        db._pg_release(self.cur, *handle, False)
 
 
 class SqlFunctionsOnDjango(SqlFunctions):
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                   SqlFunctionsOnDjango(), c.Distlock("default")]
     seen: dict[str, list[tuple[float, float, float]]] = {x.label: [] for x in contenders}
     for round_no in range(args.rounds):
-        for contender in contenders[round_no % len(contenders):] + contenders[
-                :round_no % len(contenders)]:
+        for contender in run.rotated(contenders, round_no):
             dbs.maintain("default")
             seen[contender.label].append(measure(contender, args.procs, args.seconds))
     print(f"{args.procs} process(es) on their own names, {args.rounds} rounds of "

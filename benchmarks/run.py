@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -35,6 +35,7 @@ from benchmarks import databases as dbs  # noqa: E402
 from benchmarks.harness import SCENARIOS, Result, measure  # noqa: E402
 
 BACKENDS = ("postgresql", "mariadb", "sqlite")
+T = TypeVar("T")
 
 
 @dataclass
@@ -133,13 +134,17 @@ def build(backends: list[str], scale: bool, with_redis: bool,
     return sections
 
 
+def rotated(items: list[T], round_no: int) -> list[T]:
+    """``items`` in the order of round ``round_no``: rotated one place per round."""
+    shift = round_no % len(items)
+    return items[shift:] + items[:shift]
+
+
 def run_rounds(sections: list[Section], args: argparse.Namespace) -> None:
     names = dbs.pool_names(dbs.POOL)
     for round_no in range(args.rounds):
         for section in sections:
-            shift = round_no % len(section.contenders)
-            order = section.contenders[shift:] + section.contenders[:shift]
-            for contender in order:
+            for contender in rotated(section.contenders, round_no):
                 for scenario in section.scenarios:
                     if contender.scenarios is not None and scenario not in contender.scenarios:
                         continue

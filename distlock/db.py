@@ -446,6 +446,17 @@ def renew(
     return Grant(*renewed)
 
 
+def _pg_release(
+    cursor: Any, name: str, owner: str, token: int, durable: bool
+) -> tuple[bool, int | None]:
+    cursor.execute(
+        "SELECT held, released_us FROM distlock_release(%s, %s, %s::bigint, %s)",
+        [name, owner, token, durable],
+    )
+    held, released_us = cursor.fetchone()
+    return bool(held), released_us
+
+
 @one_statement_on("postgresql")
 def release(
     connection: BaseDatabaseWrapper, cursor: Any, name: str, owner: str, token: int
@@ -456,12 +467,7 @@ def release(
     nobody took over is cleared as well, but reported as not held.
     """
     if connection.vendor == "postgresql":
-        cursor.execute(
-            "SELECT held, released_us FROM distlock_release(%s, %s, %s::bigint, %s)",
-            [name, owner, token, bool(conf.DURABLE_RELEASE)],
-        )
-        held, released_us = cursor.fetchone()
-        return bool(held), released_us
+        return _pg_release(cursor, name, owner, token, bool(conf.DURABLE_RELEASE))
     row = _lock_row(connection, cursor, name)
     if row is None or (row[1], row[0]) != (owner, token):
         return False, None
