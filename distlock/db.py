@@ -120,33 +120,73 @@ def one_statement_on(*vendors: str) -> Callable[[Callable[..., T]], Callable[...
     return mark
 
 
-def refuse_atomic(connection: BaseDatabaseWrapper) -> None:
-    """Raise TransactionNotAllowed if the caller is inside atomic() on this connection.
+def in_transaction(connection: BaseDatabaseWrapper) -> bool:
+    """True if statements on ``connection`` would join a transaction the caller opened.
 
-    On SQLite also inside atomic() on another alias of the same file: SQLite has one
+    Inside ``atomic()``, and also with autocommit turned off by hand
+    (``transaction.set_autocommit(False)``): Django's ``atomic(durable=True)`` then only
+    pretends to start a transaction, and what it "commits" stays in the caller's.
+    """
+    return connection.in_atomic_block or (
+        connection.connection is not None and not connection.autocommit
+    )
+
+
+def join_manual_transaction(connection: BaseDatabaseWrapper) -> None:
+    """SQLite with autocommit off: open the caller's transaction before a savepoint would.
+
+    Python's sqlite3 module begins a transaction only before INSERT/UPDATE/DELETE. A
+    SAVEPOINT issued first (by ``atomic()`` around a fenced write) starts a transaction of
+    its own, and releasing it *commits* — so a fenced write as the first statement after
+    ``set_autocommit(False)`` would be committed however the caller ended its
+    transaction. Beginning it here makes the savepoint nest in the caller's transaction.
+    """
+    if (
+        connection.vendor == "sqlite"
+        and connection.connection is not None
+        and not connection.autocommit
+        and not connection.in_atomic_block
+        and not connection.connection.in_transaction
+    ):
+        mode = getattr(connection, "transaction_mode", None) or "DEFERRED"
+        with connection.cursor() as cursor:
+            cursor.execute(f"BEGIN {mode}")
+
+
+def refuse_atomic(connection: BaseDatabaseWrapper) -> None:
+    """Raise TransactionNotAllowed if a lock operation on this connection could not commit
+    on its own: inside atomic(), or with autocommit off (set_autocommit(False)).
+
+    On SQLite also inside a transaction on another alias of the same file: SQLite has one
     writer, so the lock transaction would wait for the caller's own transaction forever
     (until the busy timeout).
     """
     alias = connection.alias
-    if connection.vendor == "sqlite" and not connection.in_atomic_block:
+    if connection.vendor == "sqlite" and not in_transaction(connection):
         for other in connections.all(initialized_only=True):
             if (
-                other.alias != alias and other.vendor == "sqlite" and other.in_atomic_block
+                other.alias != alias and other.vendor == "sqlite" and in_transaction(other)
                 and other.settings_dict["NAME"] == connection.settings_dict["NAME"]
             ):
                 raise TransactionNotAllowed(
-                    f"distlock was called inside transaction.atomic() on database "
+                    f"distlock was called inside a transaction on database "
                     f"{other.alias!r}, which is the same SQLite file as the lock database "
                     f"{alias!r}. SQLite lets one connection write at a time, so the lock "
-                    "would wait for your transaction to end. Lock outside the atomic block."
+                    "would wait for your transaction to end. Lock outside the transaction."
                 )
-    if connection.in_atomic_block:
+    # get_autocommit() connects first: a fresh connection is in autocommit mode unless
+    # the caller turned it off, and that is what must be known before the first statement.
+    if connection.in_atomic_block or not connection.get_autocommit():
+        where = (
+            "inside transaction.atomic()" if connection.in_atomic_block
+            else "with autocommit turned off (transaction.set_autocommit(False))"
+        )
         raise TransactionNotAllowed(
-            f"distlock was called inside transaction.atomic() on database {alias!r}. "
+            f"distlock was called {where} on database {alias!r}. "
             "A lock grant, renewal or release must commit on its own, before your code goes "
             "on; inside your transaction it would commit or roll back with it (and a "
             "rollback would hand the same fencing token out twice). Call it outside the "
-            "atomic block, or give distlock its own connection to the same database: "
+            "transaction, or give distlock its own connection to the same database: "
             f"DATABASES['distlock'] = {{**DATABASES[{alias!r}]}} and "
             "DISTLOCK_DATABASE = 'distlock'."
         )
@@ -481,6 +521,20 @@ def release(
     )
     released_us = int(released[0])
     return expires_us > released_us, released_us
+
+
+@one_statement_on("postgresql", "mysql", "sqlite")
+def holds(
+    connection: BaseDatabaseWrapper, cursor: Any, name: str, owner: str, token: int
+) -> bool:
+    """True if (owner, token) is the current, unexpired grant. A plain read: it takes no
+    row lock, so it never waits for a transaction that holds the lock row."""
+    cursor.execute(
+        f"SELECT 1 FROM {TABLE} WHERE name = %s AND owner = %s AND token = %s "
+        f"AND expires_us > {now_sql(connection)}",
+        [name, owner, token],
+    )
+    return cursor.fetchone() is not None
 
 
 def break_lock(

@@ -43,7 +43,7 @@ from django.db.models.functions import Cast, Concat
 from django.db.models.lookups import Exact, LessThanOrEqual
 from django.db.models.sql.where import AND
 
-from distlock import db, signals
+from distlock import db, signals, uncommitted
 from distlock.exceptions import StaleToken
 
 if TYPE_CHECKING:
@@ -488,13 +488,23 @@ def _fenced(
     message only: the decision was the database's).
     """
     folded = _folded_check(model, lease, using) if one_statement else None
+    checked = folded is None and model.fence_check_ownership and same_database(
+        using, lease.using
+    )
+    # The check's row lock outlives this call when the caller's transaction goes on.
+    outlives = checked and db.in_transaction(connections[using])
     try:
         if folded is not None:
             return write(folded)
-        with transaction.atomic(using=using):
-            if model.fence_check_ownership and same_database(using, lease.using):
-                _owner_check(connections[using], lease)
-            return write(None)
+        db.join_manual_transaction(connections[using])
+        try:
+            with transaction.atomic(using=using):
+                if checked:
+                    _owner_check(connections[using], lease)
+                return write(None)
+        finally:
+            if outlives:
+                uncommitted.remember(lease.name, using)
     except _Refused as refused:
         token = row_token()
         if not refused.by_owner_check and token is not None and token <= lease.token:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -9,9 +10,9 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
 
-from distlock import db, signals
+from distlock import db, signals, uncommitted
 from distlock.conf import conf
 from distlock.exceptions import LockLost
 from distlock.models import from_us
@@ -103,6 +104,7 @@ class Lease:
         broken, or another owner holds the lock; the lease is then marked lost.
         """
         seconds = self.ttl if ttl is None else check_ttl(ttl)
+        uncommitted.refuse_if_holding(self.name, self.using, f"renewing lock {self.name!r}")
         with self._mutex:
             if self._released:
                 raise LockLost(self.name, self.token, "it was released")
@@ -124,8 +126,16 @@ class Lease:
         """Free the lock. True if this lease still held it; never frees another's grant.
 
         Releasing twice, or after the lease expired or was taken over, is a no-op that
-        returns False.
+        returns False. Called while this thread's own transaction still holds fenced
+        writes made with the lease (``atomic()`` around the ``lock()`` block, with the lock
+        table on its own ``DISTLOCK_DATABASE`` connection), the release is deferred to the
+        end of that transaction, which holds the lock row until then: it happens at the
+        commit, before ``atomic()`` returns, or moments after a rollback. It then returns
+        whether the lease was still held when called.
         """
+        notes = uncommitted.holding(self.name, self.using)
+        if notes:
+            return self._release_after(notes)
         self._stop_renewer()
         with self._mutex:
             if self._released:
@@ -133,8 +143,37 @@ class Lease:
             held, released_us = db.run(self.using, db.release, self.name, self.owner, self.token)
             # Only now: a release that failed (database down) may be tried again.
             self._released = True
+        self._released_by_database(held, released_us)
+        return held
+
+    def _released_by_database(self, held: bool, released_us: int | None) -> None:
         self.released_at = from_us(released_us)
         signals.lock_released.send(sender=Lease, lease=self, held=held)
+
+    def _release_after(self, notes: list[uncommitted.Note]) -> bool:
+        """Release once this thread's open transaction lets go of the lock row.
+
+        A helper thread runs the release on its own connection; it waits for the row lock
+        of the caller's fenced writes, so it goes through as soon as that transaction ends,
+        whether by commit or by rollback. At a commit the caller also waits for it (an
+        ``on_commit`` callback, bounded by the ttl), so after ``atomic()`` the lock is free.
+        """
+        with self._mutex:
+            if self._released:
+                return False
+            self._released = True
+            # Stopped but not joined: a renewal in flight waits for the same row lock.
+            renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.stopped.set()
+        held = db.run(self.using, db.holds, self.name, self.owner, self.token)
+        helper = _DeferredRelease(self, renewer)
+        helper.start()
+        for note in notes:
+            if note.connection.in_atomic_block:
+                transaction.on_commit(
+                    functools.partial(helper.join, self.ttl), using=note.connection.alias
+                )
         return held
 
     def start_auto_renew(self, on_lost: LostCallback | None = None) -> None:
@@ -159,6 +198,32 @@ class Lease:
             self._lost_reason = reason
             logger.warning("lost lock %r (token %s): %s", self.name, self.token, reason)
             signals.lock_lost.send(sender=Lease, lease=self, reason=reason)
+
+
+class _DeferredRelease(threading.Thread):
+    """Releases ``lease`` on its own connection once the caller's transaction ends."""
+
+    def __init__(self, lease: Lease, renewer: _Renewer | None) -> None:
+        super().__init__(name=f"distlock-release-{lease.name[:40]}", daemon=True)
+        self.lease = lease
+        self.renewer = renewer
+
+    def run(self) -> None:
+        lease = self.lease
+        try:
+            if self.renewer is not None:
+                self.renewer.stop()
+            held, released_us = db.run(
+                lease.using, db.release, lease.name, lease.owner, lease.token
+            )
+            lease._released_by_database(held, released_us)
+        except BaseException:  # noqa: BLE001 - nobody to raise to: the lease expires
+            logger.exception(
+                "deferred release of lock %r (token %s) failed; it is freed when its "
+                "lease expires", lease.name, lease.token,
+            )
+        finally:
+            connections.close_all()
 
 
 class _Renewer(threading.Thread):

@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from django.db import connections
 
-from distlock import db, signals
+from distlock import db, signals, uncommitted
 from distlock.conf import conf
 from distlock.exceptions import LockTimeout
 from distlock.leases import Lease, LostCallback, logger
@@ -122,6 +122,7 @@ def acquire(
     if not isinstance(holder, str):
         raise TypeError(f"holder must be a str, not {type(holder).__name__}")
     alias = check_using(using)
+    uncommitted.refuse_if_holding(name, alias, f"acquiring lock {name!r}")
     # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of the cost.
     owner = os.urandom(16).hex()
     description = describe_holder(holder)
@@ -301,6 +302,7 @@ def break_lock(
     if token is not None:
         check_token(token)
     alias = check_using(using)
+    uncommitted.refuse_if_holding(name, alias, f"breaking lock {name!r}")
     broken = db.run(alias, db.break_lock, name, owner, token)
     if broken is None:
         return False
@@ -321,4 +323,5 @@ def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) 
     if seconds < 0:
         raise ValueError(f"idle must not be negative, not {seconds}")
     alias = check_using(using)
+    uncommitted.refuse_if_holding(None, alias, "purging locks")
     return db.run(alias, db.purge, round(seconds * 1e6))

@@ -1,0 +1,67 @@
+"""Helpers shared by the test modules: waiting on conditions, running under a deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.db import connections
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
+    """Poll ``condition`` until it is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'condition'} not met within {timeout} s")
+        time.sleep(0.01)
+
+
+def kill_other_sessions(alias: str = "default") -> None:
+    """End every other session on the test database (unblocks a hung statement)."""
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        elif connection.vendor == "mysql":
+            cursor.execute(
+                "SELECT id FROM information_schema.processlist "
+                "WHERE db = DATABASE() AND id <> CONNECTION_ID()"
+            )
+            for (session,) in cursor.fetchall():
+                cursor.execute(f"KILL {int(session)}")
+
+
+def run_with_deadline(body: Callable[[], T], seconds: float = 20.0) -> T:
+    """Run ``body`` in a thread of its own (with its own connections); fail if it hangs.
+
+    A body still running after ``seconds`` is stopped by ending its database sessions
+    (SQLite: its busy timeout ends it), and the test fails with "did not finish".
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = body()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=target, name="deadline-body", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        kill_other_sessions()
+        thread.join(60)
+        raise AssertionError(f"did not finish within {seconds} s (a hang)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
