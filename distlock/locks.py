@@ -30,6 +30,7 @@ from distlock.validation import (
     check_name,
     check_owner,
     check_seconds,
+    check_text,
     check_timeout,
     check_token,
     check_ttl,
@@ -119,8 +120,7 @@ def acquire(
     wait = check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
     if not isinstance(blocking, bool):
         raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
-    if not isinstance(holder, str):
-        raise TypeError(f"holder must be a str, not {type(holder).__name__}")
+    check_text(holder, "holder")
     alias = check_using(using)
     # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of the cost.
     owner = os.urandom(16).hex()
@@ -187,6 +187,7 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
         check_name(name)
         check_ttl(ttl)
         check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+        check_text(holder, "holder")
         if using is not None:
             check_using(using)
         self.name = name
@@ -294,7 +295,13 @@ def break_lock(
     Give the ``owner`` and/or ``token`` you saw to break only that grant: if the lock has
     changed hands since, nothing happens (False). The broken holder's renew, release
     and fenced writes then fail, and the next grant gets a higher token.
+
+    Raises TypeError/ValueError before any SQL for a bad name, owner, token, alias or
+    ``by`` (a str, without NUL characters or lone surrogates); nothing is broken then.
     """
+    # ``by`` first: it is only written after the lock is broken (the lock_broken signal,
+    # the audit), where a bad value would fail with the lock already freed.
+    check_text(by, "by")
     name = check_name(name)
     if owner is not None:
         check_owner(owner)

@@ -19,6 +19,22 @@ MIN_TTL = 0.001
 Seconds = float | int | Decimal | timedelta
 
 
+def _check_characters(text: str, what: str) -> str:
+    """Refuse the characters that no backend stores as given.
+
+    PostgreSQL's text columns refuse NUL (a DataError, raised after the statement was
+    sent), while SQLite and MariaDB store it, so the same call would work on one backend
+    and fail on another; a lone surrogate cannot be encoded for any driver.
+    """
+    if "\x00" in text:
+        raise ValueError(f"{what} must not contain NUL characters")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} must be valid Unicode (no lone surrogates)") from None
+    return text
+
+
 def check_name(name: object) -> str:
     """Return ``name`` if it can be a lock name; raise TypeError/ValueError otherwise.
 
@@ -33,13 +49,20 @@ def check_name(name: object) -> str:
         raise ValueError(
             f"lock name is {len(name)} characters long; at most {MAX_NAME_LENGTH} are allowed"
         )
-    if "\x00" in name:
-        raise ValueError("lock name must not contain NUL characters")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("lock name must be valid Unicode (no lone surrogates)") from None
-    return name
+    return _check_characters(name, "lock name")
+
+
+def check_text(value: object, what: str) -> str:
+    """Return ``value`` if it can be stored in a text column for people to read.
+
+    For ``holder=`` and ``break_lock(by=)``: any length (they are cut to their column's
+    length where they are stored), but a str, without NUL or lone surrogates, checked
+    before any SQL so that a lock is not broken or granted first and the write of the
+    description fails afterwards.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    return _check_characters(value, what)
 
 
 def check_seconds(value: object, what: str) -> float:

@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 
 from distlock import Lease, acquire, break_lock, lock, locked, purge_locks
-from distlock.models import Lock
+from distlock.models import Lock, LockEvent
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -76,11 +76,37 @@ def test_bad_timeouts(unchanged, timeout, error):
         ({"using": 3}, TypeError),
         ({"blocking": "no"}, TypeError),
         ({"holder": 5}, TypeError),
+        # Stored by SQLite and MariaDB, a DataError on PostgreSQL: refused everywhere.
+        ({"holder": "worker\x00one"}, ValueError),
+        ({"holder": "lone \ud800 surrogate"}, ValueError),
     ],
 )
 def test_bad_options(unchanged, kwargs, error):
     with pytest.raises(error):
         acquire("options", ttl=10, **kwargs)
+    if "holder" in kwargs:
+        with pytest.raises(error):
+            lock("options", holder=kwargs["holder"])
+
+
+def test_long_holder_descriptions_are_still_cut_to_the_column():
+    lease = acquire("long-holder", ttl=10, holder="h" * 1000)
+    row = Lock.objects.get(name="long-holder")
+    assert len(row.holder) == 255 and row.holder == lease.holder
+    assert row.holder.endswith("hhhh") and "pid=" in row.holder
+    lease.release()
+
+
+@pytest.mark.parametrize(
+    ("by", "error"),
+    [(12345, TypeError), (None, TypeError), (b"ops", TypeError), ("ops\x00", ValueError),
+     ("lone \ud800", ValueError)],
+)
+def test_bad_break_by_is_refused_before_the_lock_is_broken(unchanged, settings, by, error):
+    settings.DISTLOCK_AUDIT = True
+    with pytest.raises(error, match="^by "):
+        break_lock("guard", by=by)
+    assert not LockEvent.objects.exists()  # no "broken" event: nothing was broken
 
 
 @pytest.mark.parametrize(
