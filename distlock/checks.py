@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from django.conf import settings
@@ -10,14 +9,17 @@ from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
 
 from distlock.conf import conf
+from distlock.validation import MAX_SECONDS
 
 SUPPORTED_VENDORS = ("postgresql", "mysql", "sqlite")
 
 
 def _positive(value: Any) -> bool:
+    # Compared, not passed to math.isfinite(), which raises OverflowError for an int too
+    # large for a float; NaN fails both comparisons and infinity the upper bound.
     return (
         isinstance(value, int | float) and not isinstance(value, bool)
-        and math.isfinite(value) and value > 0
+        and 0 < value <= MAX_SECONDS
     )
 
 
