@@ -16,7 +16,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.conf import conf
 from distlock.db import db_now_us
-from distlock.management.commands._common import lock_alias
+from distlock.management.commands._common import lock_alias, parse_seconds
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -55,20 +55,19 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--database", help="Lock database alias (default: distlock's).")
         parser.add_argument(
-            "--max-skew", type=float, default=1.0,
+            "--max-skew", default="1",
             help="Warn when the clocks differ by more than this many seconds (default 1).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["max_skew"] is None or not options["max_skew"] >= 0:
-            raise CommandError("--max-skew must be a non-negative number of seconds")
+        max_skew = parse_seconds(str(options["max_skew"]), "--max-skew")
         alias = lock_alias(options["database"])
         connection = connections[alias]
         self.results: list[tuple[str, str]] = []
         self._say(OK, f"lock database {alias!r}: {connection.vendor} "
                       f"({connection.settings_dict.get('NAME')})")
         self._tables(connection)
-        self._clock(alias, options["max_skew"])
+        self._clock(alias, max_skew)
         if connection.vendor == "sqlite":
             self._sqlite(connection)
         elif connection.vendor == "mysql":
