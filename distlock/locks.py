@@ -17,6 +17,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
+from asgiref.sync import iscoroutinefunction
 from django.db import connections
 
 from distlock import db, signals
@@ -40,6 +41,7 @@ from distlock.wakeups import Waiter
 
 P = ParamSpec("P")
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
 
 _current: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
     "distlock_leases", default=()
@@ -66,6 +68,29 @@ def describe_holder(extra: str = "") -> str:
     if extra:
         parts.append(extra)
     return " ".join(parts)[:MAX_NAME_LENGTH]
+
+
+def refuse_async(func: object, decorator: str) -> None:
+    """Raise TypeError if ``func`` is a coroutine or async generator function.
+
+    A sync wrapper would take the lock, call ``func`` — which only creates the coroutine
+    or generator, running none of its body — and release the lock before anything was
+    awaited: the body would run unprotected. Refused at decoration, so it fails at
+    import rather than silently in production.
+    """
+    if iscoroutinefunction(func):
+        kind = "a coroutine function"
+    elif inspect.isasyncgenfunction(func):
+        kind = "an async generator function"
+    else:
+        return
+    what = getattr(func, "__qualname__", repr(func))
+    raise TypeError(
+        f"{decorator} cannot guard {what}(), {kind}: distlock's sync lock would be taken "
+        "and released around creating it, not around running it. An async API "
+        "(alock/alocked) is planned; until then call the sync lock inside "
+        "sync_to_async, or hold it around the awaited work in a thread."
+    )
 
 
 def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> db.Grant | db.Busy:
@@ -170,6 +195,9 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
     lost on the way (expired, broken), leaving the block logs a warning and sends
     ``lock_lost``; it does not raise, because the block's work is done by then — guard
     writes with fencing (``save(fence=lease)``) to make a stale holder's writes fail.
+
+    As a decorator it refuses ``async def`` functions with TypeError (see
+    :func:`refuse_async`).
     """
 
     def __init__(
@@ -197,6 +225,11 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
         }
         self.lease: Lease | None = None
         self._token: contextvars.Token[tuple[Lease, ...]] | None = None
+
+    def __call__(self, func: F) -> F:
+        """Decorate ``func``; a coroutine or async generator function is refused."""
+        refuse_async(func, "@lock(...)")
+        return super().__call__(func)
 
     def _recreate_cm(self) -> lock:
         # A decorated function may run in several threads at once: one lock object each.
@@ -243,7 +276,9 @@ def locked(
 
     ``name`` is a ``str.format`` template over the function's parameters, e.g.
     ``@locked("report:{customer_id}", ttl=60)``. Inside, ``current_lease()`` returns the
-    lease. A template field that is not a parameter raises ValueError at decoration.
+    lease. A template field that is not a parameter raises ValueError at decoration, and
+    an ``async def`` function (or async generator function) raises TypeError there: the
+    lock would not be held while its body runs.
     """
     if not isinstance(name, str):
         raise TypeError(f"lock name template must be a str, not {type(name).__name__}")
@@ -258,6 +293,7 @@ def locked(
     check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        refuse_async(func, "@locked(...)")
         signature = inspect.signature(func)
         missing = fields - set(signature.parameters)
         if missing:

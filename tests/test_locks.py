@@ -129,6 +129,42 @@ def test_lock_as_decorator_and_locked_template():
     assert Lock.objects.get(name="report:7:daily").is_free
 
 
+async def _coroutine_function(customer_id):
+    return customer_id
+
+
+async def _async_generator_function(customer_id):
+    yield customer_id
+
+
+@pytest.mark.parametrize(
+    ("func", "kind"),
+    [(_coroutine_function, "a coroutine function"),
+     (_async_generator_function, "an async generator function")],
+)
+@pytest.mark.parametrize(
+    ("decorator", "label"),
+    [(lock("async", ttl=30), "@lock(...)"),
+     (locked("async:{customer_id}", ttl=30), "@locked(...)")],
+)
+def test_async_functions_are_refused_at_decoration(decorator, label, func, kind):
+    """A sync lock around an async def would guard only the creation of the coroutine:
+    refused when decorating, with what to do instead."""
+    with pytest.raises(TypeError) as caught:
+        decorator(func)
+    message = str(caught.value)
+    assert message.startswith(f"{label} cannot guard {func.__qualname__}(), {kind}")
+    assert "alock/alocked" in message and "sync_to_async" in message
+    assert not Lock.objects.exists()
+
+
+def test_sync_to_async_wrapped_functions_are_refused_too():
+    from asgiref.sync import sync_to_async
+
+    with pytest.raises(TypeError, match="a coroutine function"):
+        lock("async", ttl=30)(sync_to_async(lambda: None))
+
+
 def test_locked_rejects_a_template_field_that_is_not_a_parameter():
     with pytest.raises(ValueError, match="customer"):
 
