@@ -276,27 +276,11 @@ def test_doctor_fails_on_deferred_sqlite(monkeypatch):
     assert "[FAIL] SQLite transaction_mode is DEFERRED" in out.getvalue()
 
 
-@pytest.mark.skipif(
-    settings.DATABASES["default"]["ENGINE"] != "django.db.backends.mysql",
-    reason="MariaDB/MySQL only: the collation check",
-)
-def test_doctor_fails_on_a_folding_collation():
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "ALTER TABLE distlock_lock MODIFY name varchar(255) "
-            "CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL"
-        )
-    try:
-        out = StringIO()
-        with pytest.raises(CommandError, match="1 problem"):
-            call_command("distlock_doctor", stdout=out)
-        assert "[FAIL] distlock_lock.name collation is utf8mb4_general_ci" in out.getvalue()
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "ALTER TABLE distlock_lock MODIFY name varchar(255) "
-                "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL"
-            )
+def test_doctor_fails_on_a_folding_collation(folding_name_column):
+    out = StringIO()
+    with pytest.raises(CommandError, match="1 problem"):
+        call_command("distlock_doctor", stdout=out)
+    assert f"[FAIL] distlock_lock.name collation is {folding_name_column}" in out.getvalue()
 
 
 def test_doctor_independence_of_the_lock_alias():
