@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import iscoroutinefunction
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from distlock import db, signals
 from distlock.conf import conf
@@ -94,15 +94,24 @@ def refuse_async(func: object, decorator: str) -> None:
 
 
 def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> db.Grant | db.Busy:
-    while True:
-        result = db.run(alias, db.acquire_existing, name, owner, holder, ttl_us)
-        if result is not None:
-            return result
-        created = db.run(alias, db.acquire_new, name, owner, holder, ttl_us)
-        if created is not None:
-            return created
-        # Another process created the row between our two transactions: go round again,
-        # this time the row exists.
+    try:
+        while True:
+            result = db.run(alias, db.acquire_existing, name, owner, holder, ttl_us)
+            if result is not None:
+                return result
+            created = db.run(alias, db.acquire_new, name, owner, holder, ttl_us)
+            if created is not None:
+                return created
+            # Another process created the row between our two transactions: go round
+            # again, this time the row exists.
+    except DatabaseError as exc:
+        # The caller's connection has a lock_timeout/statement_timeout (or MariaDB's
+        # innodb_lock_wait_timeout) shorter than another transaction's hold on the lock
+        # row: that is contention, so busy (retried within acquire's own timeout), not
+        # an error. The aborted try wrote nothing.
+        if not db.lock_wait_cut_short(connections[alias], exc):
+            raise
+        return db.Busy(token=0, holder="", remaining_us=None)
 
 
 def _pause(attempt: int, busy: db.Busy, left: float | None) -> float:
@@ -110,7 +119,8 @@ def _pause(attempt: int, busy: db.Busy, left: float | None) -> float:
     base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
     pause: float = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
     # Wake just after the holder's lease ends: it is free then even if never released.
-    pause = min(pause, busy.remaining_us / 1e6 + 0.001)
+    if busy.remaining_us is not None:
+        pause = min(pause, busy.remaining_us / 1e6 + 0.001)
     if left is not None:
         pause = min(pause, left)
     return max(pause, 0.0)
@@ -138,7 +148,9 @@ def acquire(
 
     Raises TypeError/ValueError for bad arguments (nothing is written),
     TransactionNotAllowed inside ``atomic()`` on the lock's database, TokenExhausted when
-    the 64-bit token would overflow, and database errors as Django raises them.
+    the 64-bit token would overflow, and database errors as Django raises them — except
+    a wait for the lock row cut short by the connection's own ``lock_timeout``,
+    ``statement_timeout`` or ``innodb_lock_wait_timeout``, which counts as busy.
     """
     name = check_name(name)
     seconds = check_ttl(ttl)
