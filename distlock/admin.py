@@ -17,12 +17,13 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import formats, timezone
 from django.utils.html import format_html
 from django.utils.http import urlencode
+from django.utils.translation import gettext
 
 from distlock.conf import conf
 from distlock.exceptions import TransactionNotAllowed
@@ -112,6 +113,26 @@ class LockAdmin(admin.ModelAdmin):
     def has_break_permission(self, request: HttpRequest) -> bool:
         """The dedicated ``distlock.break_lock`` permission (superusers have it)."""
         return request.user.has_perm(f"{self.opts.app_label}.break_lock")
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The lock list. A POST naming an action from a user who may run none is refused
+        with Django's "No action selected." warning.
+
+        Django itself ignores such a POST silently (with no action available it does not
+        build the action form at all) and shows the list as if nothing had been asked,
+        which leaves a user who forged or replayed a break wondering what happened.
+        """
+        if (
+            request.method == "POST" and "action" in request.POST
+            and self.has_view_or_change_permission(request)
+            and not self.get_actions(request)
+        ):
+            # Django's own words for an action that is not offered (and its translation).
+            self.message_user(request, gettext("No action selected."), messages.WARNING)
+            return HttpResponseRedirect(request.get_full_path())
+        return super().changelist_view(request, extra_context)
 
     # --- columns ---------------------------------------------------------------------
 

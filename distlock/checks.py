@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.conf import conf
+from distlock.validation import MAX_SECONDS
 
 SUPPORTED_VENDORS = ("postgresql", "mysql", "sqlite")
 
 
 def _positive(value: Any) -> bool:
+    # Compared, not passed to math.isfinite(), which raises OverflowError for an int too
+    # large for a float; NaN fails both comparisons and infinity the upper bound.
     return (
         isinstance(value, int | float) and not isinstance(value, bool)
-        and math.isfinite(value) and value > 0
+        and 0 < value <= MAX_SECONDS
     )
 
 
@@ -62,19 +65,60 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     return errors
 
 
-def check_database(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Backend checks on the lock table's database (E002–E004, W001, W002)."""
+def exact_collation(collation: str) -> bool:
+    """Does this MariaDB/MySQL collation compare strings byte for byte?
+
+    Only a binary collation that is also NO PAD does: ``utf8mb4_bin`` is binary but PAD
+    SPACE, so ``'lock'`` and ``'lock '`` are equal in it. MariaDB spells NO PAD
+    ``_nopad_``; MySQL 8's ``utf8mb4_0900_bin`` is NO PAD, as all its ``_0900_`` ones are.
+    """
+    return collation == "binary" or (
+        collation.endswith("_bin") and ("_nopad_" in collation or "_0900_" in collation)
+    )
+
+
+def name_collation(connection: BaseDatabaseWrapper) -> str | None:
+    """The collation the lock table's ``name`` column really has (None: no table yet)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT COLLATION_NAME FROM information_schema.COLUMNS WHERE "
+            "TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'distlock_lock' "
+            "AND COLUMN_NAME = 'name'"
+        )
+        row = cursor.fetchone()
+    return None if row is None else str(row[0])
+
+
+def check_database(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Backend checks on the lock table's database (E002–E004, W001, W002).
+
+    The settings are checked always; the live table (W002's collation) only when the
+    check run names this database (``manage.py check --database``, ``migrate``), as
+    Django does for its own checks that need a connection.
+    """
     alias = conf.DATABASE or "default"
     if alias not in settings.DATABASES:
         return []  # reported by E001
     connection = connections[alias]
-    return database_messages(alias, connection.vendor, connection.settings_dict)
+    collation = None
+    if connection.vendor == "mysql" and alias in (databases or ()):
+        collation = name_collation(connection)
+    return database_messages(
+        alias, connection.vendor, connection.settings_dict, name_collation=collation
+    )
 
 
 def database_messages(
-    alias: str, vendor: str, settings_dict: dict[str, Any]
+    alias: str, vendor: str, settings_dict: dict[str, Any], *,
+    name_collation: str | None = None,
 ) -> list[CheckMessage]:
-    """The backend checks for one DATABASES entry (separate from connections, for tests)."""
+    """The backend checks for one DATABASES entry (separate from connections, for tests).
+
+    ``name_collation`` is the collation of the lock table's name column on MariaDB/MySQL,
+    if it was looked up.
+    """
     options = settings_dict.get("OPTIONS", {})
     messages: list[CheckMessage] = []
     if vendor not in SUPPORTED_VENDORS:
@@ -112,14 +156,45 @@ def database_messages(
             ),
             id="distlock.W001",
         ))
-    if vendor == "mysql" and options.get("charset") != "utf8mb4":
-        messages.append(Warning(
-            f"MySQL/MariaDB database {alias!r} does not connect with charset utf8mb4.",
-            hint='Set DATABASES[...]["OPTIONS"]["charset"] = "utf8mb4" so that any '
-            "Unicode lock name can be stored.",
-            id="distlock.W002",
-        ))
+    if vendor == "mysql":
+        messages.extend(_inexact_names(alias, options, name_collation))
     return messages
+
+
+def _inexact_names(
+    alias: str, options: dict[str, Any], collation: str | None
+) -> list[CheckMessage]:
+    """distlock.W002: on MariaDB/MySQL, would two different lock names be one lock?
+
+    Two ways: a name column whose collation folds case, accents or trailing spaces (the
+    migration gives it a binary NO PAD one; a hand-made or converted table may not have
+    it), or a connection charset other than utf8mb4, in which characters outside the
+    Basic Multilingual Plane cannot be sent (they fail, or become "?" outside strict
+    mode). Django (5.2+) connects with utf8mb4 unless OPTIONS say otherwise, so a
+    missing "charset" is fine.
+    """
+    problems = []
+    charset = options.get("charset", "utf8mb4")
+    if charset != "utf8mb4":
+        problems.append(
+            f"the connection charset is {charset!r}, in which characters such as emoji "
+            "cannot be sent (names with them fail, or collide as '?')"
+        )
+    if collation is not None and not exact_collation(collation):
+        problems.append(
+            f"distlock_lock.name has the collation {collation}, which folds case, accents "
+            "or trailing spaces ('lock', 'LOCK' and 'lóck' would be one lock)"
+        )
+    if not problems:
+        return []
+    return [Warning(
+        f"MySQL/MariaDB database {alias!r} would not keep lock names apart exactly: "
+        + "; ".join(problems) + ".",
+        hint='Leave OPTIONS["charset"] unset (Django uses utf8mb4) or set it to "utf8mb4"; '
+        "give distlock_lock.name a binary NO PAD collation (utf8mb4_nopad_bin on MariaDB, "
+        "utf8mb4_0900_bin on MySQL), as distlock's migration creates it.",
+        id="distlock.W002",
+    )]
 
 
 def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:

@@ -29,6 +29,11 @@ TABLE = "distlock_lock"
 RETRIES = 5
 _RETRY_SQLSTATES = {"40001", "40P01"}
 _RETRY_MYSQL_CODES = {1213, 1020}
+# A row-lock wait ended by the session's own limit: PostgreSQL's lock_timeout (55P03
+# lock_not_available; distlock never uses NOWAIT, the other source of it) and MariaDB's
+# and MySQL's innodb_lock_wait_timeout (1205). See lock_wait_cut_short().
+_LOCK_WAIT_SQLSTATES = {"55P03"}
+_LOCK_WAIT_MYSQL_CODES = {1205}
 # "prepared statement … does not exist" (26000) and "… already exists" (42P05).
 _LOST_PREPARED_SQLSTATES = {"26000", "42P05"}
 _NEVER_BY_COUNT = 2**62
@@ -61,11 +66,15 @@ class Grant:
 
 @dataclass(frozen=True)
 class Busy:
-    """Someone else holds the lock; ``remaining_us`` is their lease left by the DB clock."""
+    """Someone else holds the lock; ``remaining_us`` is their lease left by the DB clock.
+
+    ``remaining_us`` is None when that is unknown: the wait for the lock row was cut
+    short by the session's own timeout (see :func:`lock_wait_cut_short`).
+    """
 
     token: int
     holder: str
-    remaining_us: int
+    remaining_us: int | None
 
 
 def now_sql(connection: BaseDatabaseWrapper) -> str:
@@ -102,6 +111,36 @@ def _retryable(connection: BaseDatabaseWrapper, exc: DatabaseError) -> bool:
         return getattr(exc.__cause__, "sqlstate", None) in _RETRY_SQLSTATES
     if connection.vendor == "mysql":
         return bool(exc.args) and exc.args[0] in _RETRY_MYSQL_CODES
+    return False
+
+
+def lock_wait_cut_short(connection: BaseDatabaseWrapper, exc: DatabaseError) -> bool:
+    """Did a wait for a row lock end because the session's own timeout said so?
+
+    A connection set up with ``lock_timeout`` or ``statement_timeout`` (PostgreSQL) or
+    ``innodb_lock_wait_timeout`` (MariaDB/MySQL) gives up waiting for a lock row that
+    another transaction holds — an acquire or break in flight, a fenced write's locking
+    read. For acquire that only means "busy" (it tries again within its own timeout, or
+    returns None), not a database failure. It is safe to try again: PostgreSQL aborted
+    the statement (and its transaction); MariaDB rolls back only the statement, but
+    run() leaves its atomic block with the error, which rolls back the rest. Nothing
+    was written.
+
+    PostgreSQL's statement_timeout cancels with 57014 query_canceled, which is also what
+    pg_cancel_backend() and a client's cancel give; only statement_timeout's message is
+    taken (in English: with other ``lc_messages`` such a cancel stays an error, as before).
+    SQLite has no row locks; its busy timeout ending raises OperationalError as before.
+    """
+    if connection.vendor == "postgresql":
+        cause = exc.__cause__
+        sqlstate = getattr(cause, "sqlstate", None)
+        if sqlstate in _LOCK_WAIT_SQLSTATES:
+            return True
+        diag = getattr(cause, "diag", None)
+        message = str(getattr(diag, "message_primary", None) or "")
+        return sqlstate == "57014" and "statement timeout" in message
+    if connection.vendor == "mysql":
+        return bool(exc.args) and exc.args[0] in _LOCK_WAIT_MYSQL_CODES
     return False
 
 

@@ -29,7 +29,8 @@ class Lease:
     ``token`` is strictly greater than every token granted earlier for ``name``; pass the
     lease to fenced writes so the database can refuse them once the lease is stale.
     ``expires_at`` is the database's view; :meth:`remaining` is the holder's own, started
-    before the acquire request left, so it never ends later than the database's.
+    before the acquire request left, so it never ends later than the database's — as long
+    as this host's clock runs no slower than the database server's (see there).
     """
 
     def __init__(
@@ -83,7 +84,19 @@ class Lease:
         return self._lost_reason is not None
 
     def remaining(self) -> float:
-        """Seconds left by the holder's local monotonic clock (conservative; 0 when over)."""
+        """Seconds left by the holder's local monotonic clock (conservative; 0 when over).
+
+        Conservative because the timer started before the acquire request left, so
+        network and server latency only shorten it — *assuming this host's monotonic
+        clock runs no slower than the database server's clock*. A local clock running at
+        a fraction ``f`` of the database's rate overestimates the time left by up to
+        ``ttl * (1 - f)`` at the end of the lease (under ``faketime`` x0.5 a 2 s lease
+        still shows about 1 s left when the database expires it). Nothing local can
+        correct that without a second clock source, so it is a stated assumption, not a
+        check: clocks kept by NTP differ in rate by parts per million (microseconds per
+        minute of ttl). A renewal starts the count again. Expiry itself is judged by the
+        database clock only, and fenced writes refuse a stale holder either way.
+        """
         if self._lost_reason is not None or self._released:
             return 0.0
         return max(0.0, self._deadline - time.monotonic())

@@ -17,7 +17,8 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from django.db import connections
+from asgiref.sync import iscoroutinefunction
+from django.db import DatabaseError, connections
 
 from distlock import db, signals, uncommitted
 from distlock.conf import conf
@@ -30,6 +31,7 @@ from distlock.validation import (
     check_name,
     check_owner,
     check_seconds,
+    check_text,
     check_timeout,
     check_token,
     check_ttl,
@@ -39,6 +41,7 @@ from distlock.wakeups import Waiter
 
 P = ParamSpec("P")
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
 
 _current: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
     "distlock_leases", default=()
@@ -67,16 +70,48 @@ def describe_holder(extra: str = "") -> str:
     return " ".join(parts)[:MAX_NAME_LENGTH]
 
 
+def refuse_async(func: object, decorator: str) -> None:
+    """Raise TypeError if ``func`` is a coroutine or async generator function.
+
+    A sync wrapper would take the lock, call ``func`` — which only creates the coroutine
+    or generator, running none of its body — and release the lock before anything was
+    awaited: the body would run unprotected. Refused at decoration, so it fails at
+    import rather than silently in production.
+    """
+    if iscoroutinefunction(func):
+        kind = "a coroutine function"
+    elif inspect.isasyncgenfunction(func):
+        kind = "an async generator function"
+    else:
+        return
+    what = getattr(func, "__qualname__", repr(func))
+    raise TypeError(
+        f"{decorator} cannot guard {what}(), {kind}: distlock's sync lock would be taken "
+        "and released around creating it, not around running it. An async API "
+        "(alock/alocked) is planned; until then call the sync lock inside "
+        "sync_to_async, or hold it around the awaited work in a thread."
+    )
+
+
 def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> db.Grant | db.Busy:
-    while True:
-        result = db.run(alias, db.acquire_existing, name, owner, holder, ttl_us)
-        if result is not None:
-            return result
-        created = db.run(alias, db.acquire_new, name, owner, holder, ttl_us)
-        if created is not None:
-            return created
-        # Another process created the row between our two transactions: go round again,
-        # this time the row exists.
+    try:
+        while True:
+            result = db.run(alias, db.acquire_existing, name, owner, holder, ttl_us)
+            if result is not None:
+                return result
+            created = db.run(alias, db.acquire_new, name, owner, holder, ttl_us)
+            if created is not None:
+                return created
+            # Another process created the row between our two transactions: go round
+            # again, this time the row exists.
+    except DatabaseError as exc:
+        # The caller's connection has a lock_timeout/statement_timeout (or MariaDB's
+        # innodb_lock_wait_timeout) shorter than another transaction's hold on the lock
+        # row: that is contention, so busy (retried within acquire's own timeout), not
+        # an error. The aborted try wrote nothing.
+        if not db.lock_wait_cut_short(connections[alias], exc):
+            raise
+        return db.Busy(token=0, holder="", remaining_us=None)
 
 
 def _pause(attempt: int, busy: db.Busy, left: float | None) -> float:
@@ -84,7 +119,8 @@ def _pause(attempt: int, busy: db.Busy, left: float | None) -> float:
     base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
     pause: float = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
     # Wake just after the holder's lease ends: it is free then even if never released.
-    pause = min(pause, busy.remaining_us / 1e6 + 0.001)
+    if busy.remaining_us is not None:
+        pause = min(pause, busy.remaining_us / 1e6 + 0.001)
     if left is not None:
         pause = min(pause, left)
     return max(pause, 0.0)
@@ -112,15 +148,16 @@ def acquire(
 
     Raises TypeError/ValueError for bad arguments (nothing is written),
     TransactionNotAllowed inside ``atomic()`` on the lock's database, TokenExhausted when
-    the 64-bit token would overflow, and database errors as Django raises them.
+    the 64-bit token would overflow, and database errors as Django raises them — except
+    a wait for the lock row cut short by the connection's own ``lock_timeout``,
+    ``statement_timeout`` or ``innodb_lock_wait_timeout``, which counts as busy.
     """
     name = check_name(name)
     seconds = check_ttl(ttl)
     wait = check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
     if not isinstance(blocking, bool):
         raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
-    if not isinstance(holder, str):
-        raise TypeError(f"holder must be a str, not {type(holder).__name__}")
+    check_text(holder, "holder")
     alias = check_using(using)
     uncommitted.refuse_if_holding(name, alias, f"acquiring lock {name!r}")
     # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of the cost.
@@ -171,6 +208,9 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
     lost on the way (expired, broken), leaving the block logs a warning and sends
     ``lock_lost``; it does not raise, because the block's work is done by then — guard
     writes with fencing (``save(fence=lease)``) to make a stale holder's writes fail.
+
+    As a decorator it refuses ``async def`` functions with TypeError (see
+    :func:`refuse_async`).
     """
 
     def __init__(
@@ -188,6 +228,7 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
         check_name(name)
         check_ttl(ttl)
         check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+        check_text(holder, "holder")
         if using is not None:
             check_using(using)
         self.name = name
@@ -197,6 +238,11 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
         }
         self.lease: Lease | None = None
         self._token: contextvars.Token[tuple[Lease, ...]] | None = None
+
+    def __call__(self, func: F) -> F:
+        """Decorate ``func``; a coroutine or async generator function is refused."""
+        refuse_async(func, "@lock(...)")
+        return super().__call__(func)
 
     def _recreate_cm(self) -> lock:
         # A decorated function may run in several threads at once: one lock object each.
@@ -243,7 +289,9 @@ def locked(
 
     ``name`` is a ``str.format`` template over the function's parameters, e.g.
     ``@locked("report:{customer_id}", ttl=60)``. Inside, ``current_lease()`` returns the
-    lease. A template field that is not a parameter raises ValueError at decoration.
+    lease. A template field that is not a parameter raises ValueError at decoration, and
+    an ``async def`` function (or async generator function) raises TypeError there: the
+    lock would not be held while its body runs.
     """
     if not isinstance(name, str):
         raise TypeError(f"lock name template must be a str, not {type(name).__name__}")
@@ -258,6 +306,7 @@ def locked(
     check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        refuse_async(func, "@locked(...)")
         signature = inspect.signature(func)
         missing = fields - set(signature.parameters)
         if missing:
@@ -295,7 +344,13 @@ def break_lock(
     Give the ``owner`` and/or ``token`` you saw to break only that grant: if the lock has
     changed hands since, nothing happens (False). The broken holder's renew, release
     and fenced writes then fail, and the next grant gets a higher token.
+
+    Raises TypeError/ValueError before any SQL for a bad name, owner, token, alias or
+    ``by`` (a str, without NUL characters or lone surrogates); nothing is broken then.
     """
+    # ``by`` first: it is only written after the lock is broken (the lock_broken signal,
+    # the audit), where a bad value would fail with the lock already freed.
+    check_text(by, "by")
     name = check_name(name)
     if owner is not None:
         check_owner(owner)

@@ -16,7 +16,26 @@ from distlock.conf import conf
 MAX_NAME_LENGTH = 255
 MAX_TOKEN = 2**63 - 1
 MIN_TTL = 0.001
+# The longest duration any argument may have, in seconds (about 31,700 years): as
+# microseconds it fits a signed 64-bit integer with room for a database time added to it.
+MAX_SECONDS = 10**12
 Seconds = float | int | Decimal | timedelta
+
+
+def _check_characters(text: str, what: str) -> str:
+    """Refuse the characters that no backend stores as given.
+
+    PostgreSQL's text columns refuse NUL (a DataError, raised after the statement was
+    sent), while SQLite and MariaDB store it, so the same call would work on one backend
+    and fail on another; a lone surrogate cannot be encoded for any driver.
+    """
+    if "\x00" in text:
+        raise ValueError(f"{what} must not contain NUL characters")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} must be valid Unicode (no lone surrogates)") from None
+    return text
 
 
 def check_name(name: object) -> str:
@@ -33,28 +52,57 @@ def check_name(name: object) -> str:
         raise ValueError(
             f"lock name is {len(name)} characters long; at most {MAX_NAME_LENGTH} are allowed"
         )
-    if "\x00" in name:
-        raise ValueError("lock name must not contain NUL characters")
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("lock name must be valid Unicode (no lone surrogates)") from None
-    return name
+    return _check_characters(name, "lock name")
 
 
-def check_seconds(value: object, what: str) -> float:
-    """Return ``value`` (a number of seconds or a timedelta) as finite float seconds."""
+def check_text(value: object, what: str) -> str:
+    """Return ``value`` if it can be stored in a text column for people to read.
+
+    For ``holder=`` and ``break_lock(by=)``: any length (they are cut to their column's
+    length where they are stored), but a str, without NUL or lone surrogates, checked
+    before any SQL so that a lock is not broken or granted first and the write of the
+    description fails afterwards.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    return _check_characters(value, what)
+
+
+def _describe(value: int | float | Decimal | timedelta) -> str:
+    # A 400-digit int in an error message helps nobody.
+    if isinstance(value, timedelta):
+        return str(value)
+    if isinstance(value, int) and abs(value) >= 10**15:
+        return f"{Decimal(value):.3e} s"
+    return f"{value} s"
+
+
+def check_seconds(value: object, what: str, *, hint: str = "") -> float:
+    """Return ``value`` (a number of seconds or a timedelta) as finite float seconds.
+
+    Durations are limited to ±MAX_SECONDS, so that every one of them is a float, and a
+    duration in microseconds added to a database time still fits the 64-bit integer
+    columns and parameters (beyond that, SQLite raises OverflowError and the servers
+    compute in numeric). ``hint`` is added to the message of an out-of-range value.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float | Decimal | timedelta):
         raise TypeError(
             f"{what} must be a number of seconds or a timedelta, not {type(value).__name__}"
         )
-    if isinstance(value, Decimal) and value.is_snan():
+    if isinstance(value, Decimal) and (value.is_nan() or value.is_infinite()):
         # float() of a signalling NaN raises a message that does not say which argument.
         raise ValueError(f"{what} must be finite, not {value}")
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if math.isnan(seconds) or math.isinf(seconds):
-        raise ValueError(f"{what} must be finite, not {seconds}")
-    return seconds
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, not {value}")
+    # An int too large for a float and a Decimal beyond its range are compared exactly,
+    # before float() could raise OverflowError or give inf.
+    seconds_exact = value.total_seconds() if isinstance(value, timedelta) else value
+    if not -MAX_SECONDS <= seconds_exact <= MAX_SECONDS:
+        raise ValueError(
+            f"{what} of {_describe(value)} is out of range: durations are limited to "
+            f"±{MAX_SECONDS:,} s (about 31,700 years)" + (f"; {hint}" if hint else "")
+        )
+    return float(seconds_exact)
 
 
 def check_ttl(ttl: object) -> float:
@@ -77,7 +125,9 @@ def check_timeout(timeout: object) -> float | None:
     """Return the wait limit in seconds, or None for no limit."""
     if timeout is None:
         return None
-    seconds = check_seconds(timeout, "timeout")
+    seconds = check_seconds(
+        timeout, "timeout", hint="use timeout=None to wait without a limit"
+    )
     if seconds < 0:
         raise ValueError(f"timeout must not be negative, not {seconds}")
     return seconds

@@ -74,3 +74,29 @@ def children(lock_db: str):
         yield group
     finally:
         group.close()
+
+
+@pytest.fixture
+def folding_name_column(lock_db: str):
+    """MariaDB/MySQL: give distlock_lock.name a collation that folds case and accents for
+    the test (as a table converted by hand might have), and its own one back afterwards.
+
+    Returns the folding collation's name. Skips, saying why, on other databases.
+    """
+    if connection.vendor != "mysql":
+        pytest.skip(f"MariaDB/MySQL only: column collations (this run: {connection.vendor})")
+    from distlock.checks import name_collation
+
+    original = name_collation(connection)
+    folding = "utf8mb4_general_ci"
+    alter = (
+        "ALTER TABLE distlock_lock MODIFY name varchar(255) "
+        "CHARACTER SET utf8mb4 COLLATE {} NOT NULL"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(alter.format(folding))
+    try:
+        yield folding
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(alter.format(original))

@@ -355,13 +355,25 @@ def test_staff_without_break_permission_has_no_action_and_forged_post_fails(
     assert "break_selected" not in response.content.decode()
     assert "action_form" not in response.context or response.context["action_form"] is None
 
-    # Step one (ask for the page) and step two (confirm), forged by hand.
-    step_one = post_action(client, ["guarded"])
+    # Step one (ask for the page) and step two (confirm), forged by hand: each is
+    # answered with the list and Django's "No action selected." (as the README says).
+    step_one = client.post(
+        reverse(CHANGELIST),
+        {"action": "break_selected", "_selected_action": ["guarded"], "index": "0"},
+        follow=True,
+    )
     assert step_one.status_code == 200 and "Break locks?" not in step_one.content.decode()
+    assert messages_of(step_one) == ["No action selected."]
+    assert result_names(step_one) == ["guarded"]
     data = {"action": "break_selected", "_selected_action": ["guarded"], "post": "yes",
             "expect": [json.dumps(["guarded", lease.owner, lease.token])]}
-    client.post(reverse(CHANGELIST), data)
-    client.post(reverse(CHANGELIST), {**data, "index": "0"})
+    for forged in (data, {**data, "index": "0"}):
+        done = client.post(reverse(CHANGELIST), forged, follow=True)
+        assert messages_of(done) == ["No action selected."]
+        assert "No action selected." in done.content.decode()  # shown on the page
+    # Without an action named, a POST is not taken for one.
+    plain = client.post(reverse(CHANGELIST), {"q": "guarded"}, follow=True)
+    assert plain.status_code == 200 and messages_of(plain) == []
     row = Lock.objects.get(name="guarded")
     assert (row.owner, row.token) == (lease.owner, lease.token)
     assert not LogEntry.objects.exists()

@@ -210,6 +210,9 @@ def test_audit_setting_checks(settings):
     settings.DISTLOCK_AUDIT = True
     settings.DISTLOCK_AUDIT_RETENTION = "30d"
     assert [m.id for m in check_audit_settings()] == ["distlock.E021"]
+    settings.DISTLOCK_AUDIT_RETENTION = 10**400
+    [message] = check_audit_settings()
+    assert message.id == "distlock.E021" and "out of range" in message.msg
 
 
 def test_renewed_signal_carries_the_lease():

@@ -45,6 +45,10 @@ def test_default_settings_pass():
         ("DISTLOCK_DEFAULT_TIMEOUT", -2), ("DISTLOCK_DEFAULT_TIMEOUT", True),
         ("DISTLOCK_WAKEUPS", "yes"), ("DISTLOCK_PREPARE_STATEMENTS", 1),
         ("DISTLOCK_DURABLE_RELEASE", "no"),
+        # Too large for a float, or for microseconds in a 64-bit integer: an error, not
+        # an OverflowError from the check itself.
+        ("DISTLOCK_MAX_TTL", 10**400), ("DISTLOCK_MAX_TTL", 1e300),
+        ("DISTLOCK_DEFAULT_TIMEOUT", 10**400), ("DISTLOCK_POLL_MAX_INTERVAL", float("inf")),
     ],
 )
 def test_bad_setting_values(setting, value):
@@ -82,9 +86,58 @@ def test_atomic_requests_warns():
     assert ids(checks.database_messages("default", "sqlite", entry)) == ["distlock.W001"]
 
 
-def test_mysql_without_utf8mb4_warns_and_unknown_vendor_errors():
-    assert ids(checks.database_messages("default", "mysql", {"OPTIONS": {}})) == ["distlock.W002"]
+def test_unknown_vendor_errors():
     assert ids(checks.database_messages("default", "oracle", {})) == ["distlock.E002"]
+
+
+@pytest.mark.parametrize(
+    ("options", "collation", "expected"),
+    [
+        # Django 5.2+ connects with utf8mb4 when OPTIONS name no charset: no warning (W002
+        # used to warn here, on every default MariaDB/MySQL set-up).
+        ({}, None, []),
+        ({"charset": "utf8mb4"}, "utf8mb4_nopad_bin", []),
+        ({}, "utf8mb4_0900_bin", []),
+        # Characters outside the BMP cannot be sent in utf8mb3.
+        ({"charset": "utf8"}, None, ["distlock.W002"]),
+        ({"charset": "utf8mb3"}, "utf8mb4_nopad_bin", ["distlock.W002"]),
+        # Folding collations, and a binary one that pads ('lock' = 'lock ').
+        ({}, "utf8mb4_general_ci", ["distlock.W002"]),
+        ({}, "utf8mb4_unicode_ci", ["distlock.W002"]),
+        ({}, "utf8mb4_bin", ["distlock.W002"]),
+    ],
+)
+def test_mysql_names_that_would_not_compare_exactly_warn(options, collation, expected):
+    messages = checks.database_messages(
+        "default", "mysql", {"OPTIONS": options}, name_collation=collation
+    )
+    assert ids(messages) == expected
+    if expected:
+        assert "would not keep lock names apart exactly" in messages[0].msg
+        assert (collation or "") in messages[0].msg or "charset" in messages[0].msg
+
+
+def test_w002_reads_the_real_lock_table_on_mariadb(folding_name_column):
+    """On the live table: silent with the migration's collation, W002 naming a folding
+    one, and the table is looked at only when the check run names the database."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as queries:
+        assert checks.check_database() == []  # no --database: no query
+    assert len(queries) == 0
+    messages = checks.check_database(databases=["default"])
+    assert ids(messages) == ["distlock.W002"]
+    assert f"distlock_lock.name has the collation {folding_name_column}" in messages[0].msg
+    assert "charset" not in messages[0].msg.split(":", 1)[1]
+
+
+@pytest.mark.usefixtures("lock_db")
+def test_the_test_database_passes_the_database_checks():
+    """`check --database` runs W002 against the real table (on MariaDB: utf8mb4 and
+    utf8mb4_nopad_bin, the settings and the migration this suite uses)."""
+    call_command("check", "--database", "default", "--fail-level", "WARNING")
+    assert checks.check_database(databases=["default"]) == []
 
 
 def test_configured_test_settings_pass_the_checks():

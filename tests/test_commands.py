@@ -134,7 +134,10 @@ def test_break_guarded_by_owner_and_token():
         (["x" * 256], "at most 255"),
         (["free", "--owner", "XYZ"], "32 lowercase hex"),
         (["free", "--token", "0"], "between 1 and"),
-        (["free", "--token", "abc"], "invalid int value"),
+        (["free", "--token", "abc"], "--token: 'abc' is not a whole number"),
+        (["free", "--token", "1.5"], "not a whole number"),
+        (["free", "--token", "99999999999999999999999"], "between 1 and"),
+        (["free", "--token", "-3"], "between 1 and"),
         ([], "the following arguments are required: name"),
     ],
 )
@@ -202,6 +205,10 @@ def test_purge_respects_idle():
         (["--idle", ""], "not a duration"),
         (["--idle", "5x"], "not a duration"),
         (["--events-older-than", "1y"], "--events-older-than: '1y' is not a duration"),
+        (["--idle", "99999999999999999999d"], "--idle: '99999999999999999999d' is too long"),
+        (["--idle", "9" * 400], "is too long"),
+        # The second duration is checked before the first one deletes anything.
+        (["--idle", "0", "--events-older-than", "99999999999999999999w"], "too long"),
         (["--events-older-than", "1d", "--skip-events"], "contradict"),
         (["--database", "elsewhere"], "not an alias"),
     ],
@@ -250,10 +257,10 @@ def test_doctor_reports_skew_over_the_limit_as_a_warning():
     # A limit of 0 s: any measurable difference warns, and a warning is not a failure.
     out = run("distlock_doctor", "--max-skew", "0")
     assert "no problems" in out
-    with pytest.raises(CommandError, match="--max-skew"):
-        run("distlock_doctor", "--max-skew", "-1")
-    with pytest.raises(CommandError, match="invalid float"):
-        run("distlock_doctor", "--max-skew", "soon")
+    for bad in ("-1", "soon", "nan", "inf", "1e400"):
+        with pytest.raises(CommandError, match=f"--max-skew: '{bad}' is not a number of sec"):
+            run("distlock_doctor", "--max-skew", bad)
+    assert "no problems" in run("distlock_doctor", "--max-skew", "1e-3")
 
 
 @pytest.mark.skipif(
@@ -269,27 +276,11 @@ def test_doctor_fails_on_deferred_sqlite(monkeypatch):
     assert "[FAIL] SQLite transaction_mode is DEFERRED" in out.getvalue()
 
 
-@pytest.mark.skipif(
-    settings.DATABASES["default"]["ENGINE"] != "django.db.backends.mysql",
-    reason="MariaDB/MySQL only: the collation check",
-)
-def test_doctor_fails_on_a_folding_collation():
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "ALTER TABLE distlock_lock MODIFY name varchar(255) "
-            "CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL"
-        )
-    try:
-        out = StringIO()
-        with pytest.raises(CommandError, match="1 problem"):
-            call_command("distlock_doctor", stdout=out)
-        assert "[FAIL] distlock_lock.name collation is utf8mb4_general_ci" in out.getvalue()
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "ALTER TABLE distlock_lock MODIFY name varchar(255) "
-                "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL"
-            )
+def test_doctor_fails_on_a_folding_collation(folding_name_column):
+    out = StringIO()
+    with pytest.raises(CommandError, match="1 problem"):
+        call_command("distlock_doctor", stdout=out)
+    assert f"[FAIL] distlock_lock.name collation is {folding_name_column}" in out.getvalue()
 
 
 def test_doctor_independence_of_the_lock_alias():
@@ -331,6 +322,33 @@ def test_command_exit_status_from_a_real_process():
         capture_output=True, text=True, timeout=120, cwd=settings.BASE_DIR,
     )
     assert done.returncode == 0 and json.loads(done.stdout) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["distlock_break", "busy", "--token", "abc"], "--token: 'abc' is not a whole number"),
+        (["distlock_purge", "--idle", "99999999999999999999d"], "--idle: '99999999999999999999d'"
+         " is too long"),
+        (["distlock_doctor", "--max-skew", "soon"], "--max-skew: 'soon' is not a number"),
+    ],
+)
+def test_bad_numbers_exit_1_with_a_message_from_a_real_process(args, message):
+    """Not argparse's exit status 2 with a usage line, nor a traceback: a CommandError."""
+    lease = acquire("busy", ttl=60)
+    acquire("idle", ttl=30).release()
+    before = list(Lock.objects.order_by("name").values())
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "DISTLOCK_TEST_CHILD_DB": connection.settings_dict["NAME"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "django", *args], env=env, capture_output=True, text=True,
+        timeout=120, cwd=settings.BASE_DIR,
+    )
+    assert done.returncode == 1, done.stderr
+    assert f"CommandError: {message}" in done.stderr
+    assert "Traceback" not in done.stderr and "usage:" not in done.stderr
+    assert list(Lock.objects.order_by("name").values()) == before
+    assert lease.release() is True
 
 
 def test_doctor_fails_when_the_audit_table_is_missing(settings):

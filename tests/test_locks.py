@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
-from django.db import connections, transaction
+from django.db import DatabaseError, connection, connections, transaction
 
 import distlock
 from distlock import (
@@ -20,7 +21,7 @@ from distlock import (
     locked,
     purge_locks,
 )
-from distlock.db import db_now_us
+from distlock.db import db_now_us, lock_wait_cut_short
 from distlock.models import Lock
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -127,6 +128,42 @@ def test_lock_as_decorator_and_locked_template():
     assert report(7) == 7
     assert seen == ["deco", "report:7:daily"]
     assert Lock.objects.get(name="report:7:daily").is_free
+
+
+async def _coroutine_function(customer_id):
+    return customer_id
+
+
+async def _async_generator_function(customer_id):
+    yield customer_id
+
+
+@pytest.mark.parametrize(
+    ("func", "kind"),
+    [(_coroutine_function, "a coroutine function"),
+     (_async_generator_function, "an async generator function")],
+)
+@pytest.mark.parametrize(
+    ("decorator", "label"),
+    [(lock("async", ttl=30), "@lock(...)"),
+     (locked("async:{customer_id}", ttl=30), "@locked(...)")],
+)
+def test_async_functions_are_refused_at_decoration(decorator, label, func, kind):
+    """A sync lock around an async def would guard only the creation of the coroutine:
+    refused when decorating, with what to do instead."""
+    with pytest.raises(TypeError) as caught:
+        decorator(func)
+    message = str(caught.value)
+    assert message.startswith(f"{label} cannot guard {func.__qualname__}(), {kind}")
+    assert "alock/alocked" in message and "sync_to_async" in message
+    assert not Lock.objects.exists()
+
+
+def test_sync_to_async_wrapped_functions_are_refused_too():
+    from asgiref.sync import sync_to_async
+
+    with pytest.raises(TypeError, match="a coroutine function"):
+        lock("async", ttl=30)(sync_to_async(lambda: None))
 
 
 def test_locked_rejects_a_template_field_that_is_not_a_parameter():
@@ -267,3 +304,84 @@ def test_release_is_idempotent_and_lock_can_be_reacquired_at_once():
     with pytest.raises(LockLost):
         lease.check()
     assert acquire("twice", ttl=5, blocking=False).token == lease.token + 1
+
+
+def _hold_row_lock(name: str, locked: threading.Event, release: threading.Event,
+                   problems: list[str]) -> None:
+    """In a thread with its own connection: keep lock row ``name`` locked by an open
+    transaction (as a fenced write's locking read or a break in flight does) until told."""
+    try:
+        with transaction.atomic():
+            Lock.objects.select_for_update().get(name=name)
+            locked.set()
+            if not release.wait(60):
+                problems.append("the row lock was never released by the test")
+    except Exception as exc:  # noqa: BLE001 - reported by the test thread
+        problems.append(repr(exc))
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.parametrize(
+    ("vendor", "set_limit", "reset_limit"),
+    [
+        ("postgresql", "SET lock_timeout = '100ms'", "RESET lock_timeout"),
+        ("postgresql", "SET statement_timeout = '100ms'", "RESET statement_timeout"),
+        ("mysql", "SET SESSION innodb_lock_wait_timeout = 1",
+         "SET SESSION innodb_lock_wait_timeout = DEFAULT"),
+    ],
+    ids=["pg-lock_timeout", "pg-statement_timeout", "mariadb-innodb_lock_wait_timeout"],
+)
+def test_a_lock_wait_cut_short_by_the_session_is_busy_not_an_error(
+    vendor, set_limit, reset_limit
+):
+    if connection.vendor == "sqlite":
+        pytest.skip(
+            "SQLite has no row locks and no per-session lock wait limit: its busy timeout "
+            "(OPTIONS['timeout'], checked by E004) is the analogue, and running out of it "
+            "stays an OperationalError"
+        )
+    if connection.vendor != vendor:
+        pytest.skip(f"{vendor} only: this session setting (this run: {connection.vendor})")
+    first = acquire("cut-short", ttl=30)
+    assert first.release() is True  # free: PostgreSQL's acquire must take the row lock
+    locked, release, problems = threading.Event(), threading.Event(), []
+    holder = threading.Thread(
+        target=_hold_row_lock, args=("cut-short", locked, release, problems)
+    )
+    cut_short = []
+
+    def watch(execute, sql, params, many, context):
+        try:
+            return execute(sql, params, many, context)
+        except DatabaseError as exc:
+            if lock_wait_cut_short(connection, exc):
+                cut_short.append(sql)
+                release.set()  # let the other transaction commit after the first refusal
+            raise
+
+    with connection.cursor() as cursor:
+        cursor.execute(set_limit)
+    holder.start()
+    try:
+        assert locked.wait(30), "the other transaction never locked the row"
+        started = time.monotonic()
+        assert acquire("cut-short", ttl=30, blocking=False) is None
+        assert time.monotonic() - started < 10  # the limit (0.1 s / 1 s), not a long wait
+        assert Lock.objects.get(name="cut-short").owner == ""
+        assert holder.is_alive() and not release.is_set()
+
+        with connection.execute_wrapper(watch):
+            lease = acquire("cut-short", ttl=30, timeout=60)
+        assert cut_short, "the blocking acquire never had its lock wait cut short"
+        assert lease is not None and lease.token == first.token + 1
+        row = Lock.objects.get(name="cut-short")
+        assert (row.owner, row.token) == (lease.owner, lease.token)
+        assert lease.release() is True
+    finally:
+        release.set()
+        holder.join(60)
+        with connection.cursor() as cursor:
+            cursor.execute(reset_limit)
+    assert not holder.is_alive() and problems == []
+

@@ -9,7 +9,9 @@ from decimal import Decimal
 import pytest
 
 from distlock import Lease, acquire, break_lock, lock, locked, purge_locks
-from distlock.models import Lock
+from distlock.audit import purge_events
+from distlock.models import Lock, LockEvent
+from distlock.validation import MAX_SECONDS
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -33,10 +35,25 @@ BAD_TTLS = [
     (math.inf, ValueError), (-math.inf, ValueError), (10**12, ValueError),
     (timedelta(days=-1), ValueError), (timedelta(days=2), ValueError),
     (True, TypeError), ("30", TypeError), (object(), TypeError), (Decimal("NaN"), ValueError),
+    # Beyond a float (an int or a Decimal) or a timedelta's extremes: ValueError, never
+    # OverflowError.
+    (10**400, ValueError), (-(10**400), ValueError), (Decimal("1e400"), ValueError),
+    (Decimal("-Infinity"), ValueError), (timedelta.max, ValueError),
+    (timedelta.min, ValueError),
 ]
 BAD_TIMEOUTS = [
     (-1, ValueError), (math.nan, ValueError), (math.inf, ValueError), (True, TypeError),
     ("10", TypeError), (timedelta(seconds=-5), ValueError),
+    (10**400, ValueError), (-(10**400), ValueError), (Decimal("1e400"), ValueError),
+    (Decimal("-1e400"), ValueError), (Decimal("sNaN"), ValueError),
+    (timedelta.max, ValueError), (timedelta.min, ValueError), (1e300, ValueError),
+    (MAX_SECONDS + 1, ValueError),
+]
+# What purge_locks(idle=) and purge_events(older_than=) refuse, with the same errors.
+BAD_AGES = [
+    (-1, ValueError), ("1 day", TypeError), (math.nan, ValueError), (10**400, ValueError),
+    (Decimal("1e400"), ValueError), (timedelta.max, ValueError), (1e300, ValueError),
+    (timedelta.min, ValueError),
 ]
 
 
@@ -76,11 +93,64 @@ def test_bad_timeouts(unchanged, timeout, error):
         ({"using": 3}, TypeError),
         ({"blocking": "no"}, TypeError),
         ({"holder": 5}, TypeError),
+        # Stored by SQLite and MariaDB, a DataError on PostgreSQL: refused everywhere.
+        ({"holder": "worker\x00one"}, ValueError),
+        ({"holder": "lone \ud800 surrogate"}, ValueError),
     ],
 )
 def test_bad_options(unchanged, kwargs, error):
     with pytest.raises(error):
         acquire("options", ttl=10, **kwargs)
+    if "holder" in kwargs:
+        with pytest.raises(error):
+            lock("options", holder=kwargs["holder"])
+
+
+def test_huge_numbers_say_what_is_out_of_range(unchanged):
+    """The message names the argument and the limit, and does not print 400 digits."""
+    with pytest.raises(ValueError, match=r"^ttl of 1\.000e\+400 s is out of range") as caught:
+        acquire("huge", ttl=10**400)
+    assert len(str(caught.value)) < 200
+    with pytest.raises(ValueError, match="use timeout=None to wait without a limit"):
+        acquire("huge", ttl=10, timeout=10**400)
+    with pytest.raises(ValueError, match=r"^ttl of 1E\+400 s is out of range"):
+        unchanged.renew(ttl=Decimal("1e400"))
+    with pytest.raises(ValueError, match=r"^idle of 999999999 days, 23:59:59\.999999 is out"):
+        purge_locks(idle=timedelta.max)
+    assert not unchanged.lost
+
+
+def test_the_longest_durations_work_on_every_backend():
+    """At the limit, microseconds still fit the database's 64-bit integers (SQLite would
+    raise OverflowError, the servers compute in numeric, beyond them)."""
+    acquire("idle", ttl=10).release()
+    lease = acquire("long-wait", ttl=10, timeout=MAX_SECONDS)
+    assert lease is not None and Lock.objects.get(name="long-wait").owner == lease.owner
+    assert purge_locks(idle=MAX_SECONDS) == 0
+    assert purge_locks(idle=timedelta(seconds=MAX_SECONDS)) == 0
+    assert purge_events(older_than=MAX_SECONDS) == 0
+    assert purge_locks(idle=0) == 1  # the idle row is there to be purged
+    assert list(Lock.objects.values_list("name", flat=True)) == ["long-wait"]
+
+
+def test_long_holder_descriptions_are_still_cut_to_the_column():
+    lease = acquire("long-holder", ttl=10, holder="h" * 1000)
+    row = Lock.objects.get(name="long-holder")
+    assert len(row.holder) == 255 and row.holder == lease.holder
+    assert row.holder.endswith("hhhh") and "pid=" in row.holder
+    lease.release()
+
+
+@pytest.mark.parametrize(
+    ("by", "error"),
+    [(12345, TypeError), (None, TypeError), (b"ops", TypeError), ("ops\x00", ValueError),
+     ("lone \ud800", ValueError)],
+)
+def test_bad_break_by_is_refused_before_the_lock_is_broken(unchanged, settings, by, error):
+    settings.DISTLOCK_AUDIT = True
+    with pytest.raises(error, match="^by "):
+        break_lock("guard", by=by)
+    assert not LockEvent.objects.exists()  # no "broken" event: nothing was broken
 
 
 @pytest.mark.parametrize(
@@ -122,11 +192,20 @@ def test_forged_owner_cannot_release_renew_or_break(unchanged):
     assert break_lock("guard", owner="d" * 32) is False
 
 
-def test_bad_purge_idle(unchanged):
-    with pytest.raises(ValueError):
-        purge_locks(idle=-1)
-    with pytest.raises(TypeError):
-        purge_locks(idle="1 day")
+@pytest.mark.parametrize(("age", "error"), BAD_AGES)
+def test_bad_purge_ages(settings, age, error):
+    settings.DISTLOCK_AUDIT = True
+    acquire("idle", ttl=10).release()
+    acquire("top", ttl=10).release()
+    rows = list(Lock.objects.order_by("name").values())
+    events = list(LockEvent.objects.order_by("id").values())
+    with pytest.raises(error):
+        purge_locks(idle=age)
+    with pytest.raises(error):
+        purge_events(older_than=age)
+    assert list(Lock.objects.order_by("name").values()) == rows
+    assert list(LockEvent.objects.order_by("id").values()) == events
+    assert purge_locks(idle=0) == 1  # the same rows are purgeable by a good age
 
 
 def test_bad_locked_templates(unchanged):

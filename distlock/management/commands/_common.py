@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import timedelta
 
@@ -9,9 +10,11 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from distlock.conf import conf
+from distlock.validation import MAX_SECONDS
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def parse_duration(text: str, what: str) -> timedelta:
@@ -26,7 +29,43 @@ def parse_duration(text: str, what: str) -> timedelta:
             "or w, e.g. 90, 15m, 12h, 7d, 1h30m"
         )
     seconds = sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(value))
+    # Checked here, before timedelta() could raise OverflowError (a traceback, not a
+    # message) and before any command deletes anything with the first of its durations.
+    if not seconds <= MAX_SECONDS:
+        raise CommandError(
+            f"{what}: {text!r} is too long; durations are limited to {MAX_SECONDS:,} s "
+            "(about 31,700 years)"
+        )
     return timedelta(seconds=seconds)
+
+
+def parse_int(text: str, what: str) -> int:
+    """A whole number in ASCII digits, e.g. a token; CommandError for anything else.
+
+    Parsed here rather than by argparse (``type=int``), whose error exits with status 2
+    and a usage line instead of the CommandError every other bad value gets.
+    """
+    value = text.strip()
+    if not _INTEGER.fullmatch(value):
+        raise CommandError(f"{what}: {text!r} is not a whole number")
+    return int(value)
+
+
+def parse_seconds(text: str, what: str) -> float:
+    """A number of seconds such as "1", "0.25" or "1e-3", between 0 and MAX_SECONDS.
+
+    CommandError for anything else, including NaN, infinity and numbers too large for a
+    float ("1e400" parses as infinity).
+    """
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= MAX_SECONDS:
+        raise CommandError(
+            f"{what}: {text!r} is not a number of seconds between 0 and {MAX_SECONDS:,}"
+        )
+    return seconds
 
 
 def lock_alias(database: str | None) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlock.locks import break_lock
-from distlock.management.commands._common import lock_alias
+from distlock.management.commands._common import lock_alias, parse_int
 from distlock.models import Lock
 from distlock.validation import check_name
 
@@ -32,15 +32,19 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="The lock name, exactly.")
         parser.add_argument("--owner", help="Break only if this owner (32 hex) holds it.")
-        parser.add_argument("--token", type=int, help="Break only if this is its token.")
+        # Parsed in handle(), not by argparse (type=int), whose error exits with status 2.
+        parser.add_argument("--token", help="Break only if this is its token.")
         parser.add_argument("--database", help="Lock database alias (default: distlock's).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         alias = lock_alias(options["database"])
+        token = options["token"]
+        if isinstance(token, str):  # call_command() may also pass an int
+            token = parse_int(token, "--token")
         try:
             name = check_name(options["name"])
             broken = break_lock(
-                name, owner=options["owner"], token=options["token"], using=alias, by=_who()
+                name, owner=options["owner"], token=token, using=alias, by=_who()
             )
         except (TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from exc

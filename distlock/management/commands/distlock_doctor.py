@@ -14,9 +14,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock.checks import exact_collation, name_collation
 from distlock.conf import conf
 from distlock.db import db_now_us
-from distlock.management.commands._common import lock_alias
+from distlock.management.commands._common import lock_alias, parse_seconds
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
@@ -55,20 +56,19 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--database", help="Lock database alias (default: distlock's).")
         parser.add_argument(
-            "--max-skew", type=float, default=1.0,
+            "--max-skew", default="1",
             help="Warn when the clocks differ by more than this many seconds (default 1).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["max_skew"] is None or not options["max_skew"] >= 0:
-            raise CommandError("--max-skew must be a non-negative number of seconds")
+        max_skew = parse_seconds(str(options["max_skew"]), "--max-skew")
         alias = lock_alias(options["database"])
         connection = connections[alias]
         self.results: list[tuple[str, str]] = []
         self._say(OK, f"lock database {alias!r}: {connection.vendor} "
                       f"({connection.settings_dict.get('NAME')})")
         self._tables(connection)
-        self._clock(alias, options["max_skew"])
+        self._clock(alias, max_skew)
         if connection.vendor == "sqlite":
             self._sqlite(connection)
         elif connection.vendor == "mysql":
@@ -135,27 +135,22 @@ class Command(BaseCommand):
                             "run while a lock is being written")
 
     def _mysql(self, connection: BaseDatabaseWrapper) -> None:
+        collation = name_collation(connection)
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT COLLATION_NAME FROM information_schema.COLUMNS WHERE "
-                "TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'distlock_lock' "
-                "AND COLUMN_NAME = 'name'"
-            )
-            row = cursor.fetchone()
             try:
                 cursor.execute("SELECT @@SESSION.transaction_isolation")
             except Exception:  # noqa: BLE001 - older servers only know tx_isolation
                 cursor.execute("SELECT @@SESSION.tx_isolation")
             isolation = str(cursor.fetchone()[0])
-        if row is not None:
-            collation = str(row[0])
-            if collation.endswith("_bin"):
+        if collation is not None:
+            if exact_collation(collation):
                 self._say(OK, f"distlock_lock.name collation is {collation} (exact names)")
             else:
                 self._say(FAIL, f"distlock_lock.name collation is {collation}: it folds case, "
                                 "accents or trailing spaces, so different names share a lock;"
-                                " re-run distlock's migrations or ALTER the column to a _bin "
-                                "collation")
+                                " re-run distlock's migrations or ALTER the column to a "
+                                "binary NO PAD collation (utf8mb4_nopad_bin on MariaDB, "
+                                "utf8mb4_0900_bin on MySQL)")
         level = WARN if isolation.upper().replace("-", " ") == "READ UNCOMMITTED" else OK
         self._say(level, f"session isolation level is {isolation} (lock operations use "
                          "locking reads, which see the latest committed row)")

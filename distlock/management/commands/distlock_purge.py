@@ -47,7 +47,8 @@ class Command(BaseCommand):
                 retention()
             except (TypeError, ValueError) as exc:
                 raise CommandError(str(exc)) from exc
-        # Everything is checked before anything is deleted.
+        # Everything is checked before anything is deleted (parse_duration keeps both
+        # durations within what purge_locks and purge_events accept).
         locks = purge_locks(idle=idle, using=alias)
         self.stdout.write(f"Deleted {locks} lock row(s) idle for at least {idle}.")
         if options["skip_events"]:
