@@ -63,9 +63,13 @@ class TokenExhausted(DistlockError):
 
 
 class TransactionNotAllowed(DistlockError, RuntimeError):
-    """A lock operation was called inside ``transaction.atomic()`` on the lock's database.
+    """A lock operation could not commit on its own, or would wait for the caller's own
+    transaction.
 
-    A grant must be committed before the critical section starts. Inside the caller's
+    Raised inside ``transaction.atomic()`` or with autocommit off on the lock's database: a
+    grant must be committed before the critical section starts, and inside the caller's
     transaction it would only commit (or roll back, handing the same token out twice) with
-    that transaction, so distlock refuses instead of silently deferring the grant.
+    that transaction, so distlock refuses instead of silently deferring the grant. Also
+    raised by renew, break, purge and acquire of a lock whose row the caller's open
+    transaction holds through an uncommitted fenced write (see distlock/uncommitted.py).
     """

@@ -171,12 +171,13 @@ class Lease:
         whether by commit or by rollback. At a commit the caller also waits for it (an
         ``on_commit`` callback, bounded by the ttl), so after ``atomic()`` the lock is free.
         """
-        with self._mutex:
-            if self._released:
-                return False
-            self._released = True
-            # Stopped but not joined: a renewal in flight waits for the same row lock.
-            renewer, self._renewer = self._renewer, None
+        # Not under self._mutex: a renewal in flight holds it while it waits for the same
+        # row lock, so taking it here would wait for this thread's own transaction.
+        if self._released:
+            return False
+        self._released = True
+        # Stopped but not joined, for the same reason; the helper joins it.
+        renewer, self._renewer = self._renewer, None
         if renewer is not None:
             renewer.stopped.set()
         held = db.run(self.using, db.holds, self.name, self.owner, self.token)
@@ -226,9 +227,10 @@ class _DeferredRelease(threading.Thread):
         try:
             if self.renewer is not None:
                 self.renewer.stop()
-            held, released_us = db.run(
-                lease.using, db.release, lease.name, lease.owner, lease.token
-            )
+            with lease._mutex:
+                held, released_us = db.run(
+                    lease.using, db.release, lease.name, lease.owner, lease.token
+                )
             lease._released_by_database(held, released_us)
         except BaseException:  # noqa: BLE001 - nobody to raise to: the lease expires
             logger.exception(

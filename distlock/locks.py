@@ -147,7 +147,9 @@ def acquire(
     thread; ``on_lost(lease, exc)`` is called there if a renewal fails.
 
     Raises TypeError/ValueError for bad arguments (nothing is written),
-    TransactionNotAllowed inside ``atomic()`` on the lock's database, TokenExhausted when
+    TransactionNotAllowed inside ``atomic()`` (or with autocommit off) on the lock's
+    database or while this thread's open transaction holds an uncommitted fenced write
+    under the same lock, TokenExhausted when
     the 64-bit token would overflow, and database errors as Django raises them — except
     a wait for the lock row cut short by the connection's own ``lock_timeout``,
     ``statement_timeout`` or ``innodb_lock_wait_timeout``, which counts as busy.

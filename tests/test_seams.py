@@ -361,3 +361,101 @@ def test_fenced_write(
         assert_grants_sound(grants, {name}, [])
 
     run_with_deadline(cell)
+
+
+# -- the window between a fenced write and the end of the caller's transaction -----------
+
+
+@pytest.fixture
+def window(settings: Any) -> None:
+    """A separate lock alias on a server with row locks (SQLite refuses it outright)."""
+    if connections["default"].vendor == "sqlite":
+        pytest.skip("SQLite: a second connection to the file is refused in any transaction")
+    settings.DISTLOCK_DATABASE = "locks"
+
+
+@pytest.mark.parametrize(
+    "operation",
+    ["renew", "break", "acquire", "purge"],
+)
+def test_operations_that_would_wait_for_the_callers_own_writes_refuse(window, operation):
+    Account.objects.create(pk=1, balance=0)
+
+    def cell() -> None:
+        with transaction.atomic():
+            lease = acquire("account:1", ttl=30)
+            account = Account.objects.get(pk=1)
+            account.balance = 1
+            account.save(fence=lease)
+            attempt = {
+                "renew": lambda: lease.renew(),
+                "break": lambda: break_lock("account:1"),
+                "acquire": lambda: acquire("account:1", ttl=30, blocking=False),
+                "purge": lambda: purge_locks(idle=0),
+            }[operation]
+            with pytest.raises(TransactionNotAllowed, match="your own open transaction"):
+                attempt()
+            assert lease.release() is True
+        assert Lock.objects.get(name="account:1").owner == ""
+        assert Account.objects.get(pk=1).fence_token == lease.token
+
+    run_with_deadline(cell)
+
+
+def test_auto_renewed_lease_released_inside_the_window_does_not_hang(window):
+    """The renewer waits for the caller's row lock too; the deferred release stops it
+    without waiting for it, and the lock is free once the transaction commits."""
+    Account.objects.create(pk=2, balance=0)
+
+    def cell() -> Lease:
+        with transaction.atomic():
+            lease = acquire("account:2", ttl=0.3, auto_renew=True)
+            account = Account.objects.get(pk=2)
+            account.balance = 2
+            account.save(fence=lease)
+            renewed = lease.expires_at
+            # Let the renewer come and wait behind this transaction's row lock.
+            wait_until(
+                lambda: _waiting_on_a_row_lock(), 5, "the renewer waiting on the lock row"
+            )
+            assert lease.release() is True
+            assert lease.expires_at == renewed
+        return lease
+
+    lease = run_with_deadline(cell)
+    wait_until(lambda: Lock.objects.get(name="account:2").owner == "", 10, "the release")
+    fresh = acquire("account:2", ttl=30, blocking=False)
+    assert fresh is not None and fresh.token == lease.token + 1
+    fresh.release()
+
+
+def _waiting_on_a_row_lock() -> bool:
+    connection = connections["locks"]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"
+            )
+        else:
+            cursor.execute("SELECT count(*) FROM information_schema.innodb_lock_waits")
+        return cursor.fetchone()[0] > 0
+
+
+def test_deferred_release_after_a_rollback_frees_the_lock_and_keeps_nothing(window):
+    Account.objects.create(pk=3, balance=0)
+
+    def cell() -> Lease:
+        with pytest.raises(ZeroDivisionError), transaction.atomic():
+            lease = acquire("account:3", ttl=30)
+            account = Account.objects.get(pk=3)
+            account.balance = 3
+            account.save(fence=lease)
+            assert lease.release() is True
+            1 / 0  # noqa: B018 - the caller's transaction fails after the release
+        return lease
+
+    lease = run_with_deadline(cell)
+    wait_until(lambda: Lock.objects.get(name="account:3").owner == "", 10, "the release")
+    assert Account.objects.get(pk=3).balance == 0
+    assert Lock.objects.get(name="account:3").token == lease.token
