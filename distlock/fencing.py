@@ -730,7 +730,11 @@ class FencedModel(models.Model):
                     parts.append(Cast(F(field.attname), output_field=models.TextField()))
         if all(isinstance(part, Value) for part in parts):
             return None
-        return parts[0] if len(parts) == 1 else Concat(*parts)
+        if len(parts) == 1:
+            return parts[0]
+        # Text literals and CharField columns: without one output type Django refuses to
+        # mix them (FieldError "mixed types") wherever the expression is resolved.
+        return Concat(*parts, output_field=models.TextField())
 
     def _fence_depends_on_missing_pk(self) -> bool:
         cls = type(self)

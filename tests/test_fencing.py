@@ -21,7 +21,7 @@ from distlock import StaleToken, acquire, checks, signals
 from distlock.fencing import FencedModel
 from distlock.models import Lock
 from distlock.testing import hold_lock, make_stale, take_over
-from tests.factories import AccountFactory, OrderFactory
+from tests.factories import AccountFactory, OrderFactory, SheetFactory, SlotFactory
 from tests.testapp.models import (
     Account,
     Counter,
@@ -29,6 +29,8 @@ from tests.testapp.models import (
     HighWaterAccount,
     Ledger,
     Order,
+    Sheet,
+    Slot,
 )
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -483,6 +485,61 @@ def test_lock_name_from_a_method_with_its_sql_form():
     document.save(fence=lease)
     document.delete(fence=lease)
     assert not Document.objects.exists()
+
+
+def test_multi_field_templates_write_on_every_backend():
+    """Two text columns, or an integer and a text column, in one lock name.
+
+    The SQL form is a Concat of text literals and columns; on PostgreSQL it once mixed
+    TextField and CharField and every fenced write raised FieldError.
+    """
+    sheet = SheetFactory(book="b", tab="t")
+    other = SheetFactory(book="b", tab="u")
+    slot = SlotFactory(day=3, label="am")
+    sheets = acquire("sheet:b:t", ttl=30)
+    slots = acquire("slot:3/am", ttl=30)
+    sheet.body = "saved"
+    sheet.save(fence=sheets)
+    slot.booked = 1
+    slot.save(fence=slots)
+    assert Sheet.objects.filter(book="b", tab="t").fenced_update(sheets, body="bulk") == 1
+    assert Slot.objects.filter(day=3).fenced_update(slots, booked=F("booked") + 1) == 1
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        Sheet.objects.filter(book="b").fenced_update(sheets, body="both")
+    assert Sheet.objects.fenced_create(sheets, book="b", tab="t").fence_token == sheets.token
+    assert Slot.objects.fenced_create(slots, day="3", label="am").fence_token == slots.token
+    assert list(Sheet.objects.order_by("pk").values_list("body", flat=True)) == [
+        "bulk", "", "",
+    ]
+    assert Slot.objects.get(pk=slot.pk).booked == 2
+    assert Sheet.objects.filter(tab="t").fenced_delete(sheets)[0] == 2
+    slot.delete(fence=slots)
+    assert list(Sheet.objects.values_list("pk", flat=True)) == [other.pk]
+    assert list(Slot.objects.values_list("day", "label")) == [(3, "am")]
+    assert not sheets.lost and not slots.lost
+
+
+def test_python_and_sql_lock_names_agree_for_multi_field_templates():
+    """get_fence_name() and get_fence_name_expression() name every row alike, also where
+    two rows share a name ("sheet:a:b:c" is book "a", tab "b:c" and book "a:b", tab "c")."""
+    rows = [
+        SheetFactory(book="a", tab="b:c"), SheetFactory(book="a:b", tab="c"),
+        SheetFactory(book="", tab="x"), SheetFactory(book="É ", tab="e\u0301"),
+        SlotFactory(day=-12, label="1"), SlotFactory(day=0, label=""),
+    ]
+    for model in (Sheet, Slot):
+        in_sql = dict(
+            model.objects.annotate(lock=model.get_fence_name_expression())
+            .values_list("pk", "lock")
+        )
+        assert in_sql == {
+            row.pk: row.get_fence_name() for row in rows if isinstance(row, model)
+        }
+    assert rows[0].get_fence_name() == rows[1].get_fence_name() == "sheet:a:b:c"
+    lease = acquire("sheet:a:b:c", ttl=30)
+    assert Sheet.objects.filter(pk__in=[rows[0].pk, rows[1].pk]).fenced_update(
+        lease, body="one lock"
+    ) == 2
 
 
 def test_fenced_write_joins_the_callers_transaction():
