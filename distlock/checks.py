@@ -123,14 +123,14 @@ def database_messages(
 
 
 def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """distlock.E010–E011: every concrete FencedModel says which lock guards its rows.
+    """distlock.E010–E012: every concrete FencedModel says which lock guards its rows.
 
     Caught at start-up rather than at the first fenced write, which may run in a rare
     code path (a nightly job) long after the deploy.
     """
     from django.apps import apps
 
-    from distlock.fencing import FencedModel, template_problems
+    from distlock.fencing import FencedModel, nullable_template_fields, template_problems
 
     configs = app_configs if app_configs is not None else apps.get_app_configs()
     messages: list[CheckMessage] = []
@@ -155,5 +155,13 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
                     hint="Use plain {field} names of integer or text columns (pk works), "
                     "or override get_fence_name() and get_fence_name_expression().",
                     obj=model, id="distlock.E011",
+                ))
+            for name in nullable_template_fields(model):
+                messages.append(Error(
+                    f"{model._meta.label}.fence_name uses field {name!r}, which allows NULL.",
+                    hint="A NULL has no lock name that Python and SQL agree on (str.format "
+                    "writes 'None', SQL concatenation ''). Make the field null=False, or "
+                    "override get_fence_name() and get_fence_name_expression().",
+                    obj=model, id="distlock.E012",
                 ))
     return messages

@@ -150,6 +150,19 @@ def template_problems(model: type[models.Model]) -> list[str]:
     return problems
 
 
+def nullable_template_fields(model: type[models.Model]) -> list[str]:
+    """The fields of a usable ``fence_name`` template that allow NULL (system check E012).
+
+    A NULL has no lock name both definitions agree on: ``str.format`` writes ``None``,
+    SQL's concatenation an empty string (and a one-field name test matches no row). Only
+    NOT NULL fields keep get_fence_name() and its SQL form equal by construction.
+    """
+    if template_problems(model):
+        return []
+    names = [name for _, name in parse_fence_name(model.fence_name) if name is not None]  # type: ignore[attr-defined]
+    return [name for name in dict.fromkeys(names) if _resolve(model, name).null]
+
+
 class _SameName(Expression):
     """``<lock name of the row> = %s``, compared byte for byte, never NULL."""
 
@@ -701,7 +714,15 @@ class FencedModel(models.Model):
         values = {}
         for _, name in parse_fence_name(cls.fence_name):
             if name is not None:
-                values[name] = getattr(self, _resolve(cls, name).attname)
+                value = getattr(self, _resolve(cls, name).attname)
+                if value is None:
+                    # SQL has no name for such a row either; "x:None" would be a name
+                    # that a lease could be taken for.
+                    raise ValueError(
+                        f"{cls._meta.label} object has no lock name: its field {name!r} "
+                        "is None"
+                    )
+                values[name] = value
         return cls.fence_name.format(**values)
 
     @classmethod

@@ -13,7 +13,7 @@ import signal
 import time
 
 import pytest
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, connection, connections, models, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext, isolate_apps
 
@@ -466,6 +466,18 @@ def test_fenced_delete_and_fenced_create():
     assert count == 2
 
 
+def test_a_row_with_none_in_its_lock_name_has_no_name_and_is_refused():
+    """str.format would name it "customer:None", a name a lease can be taken for; SQL
+    gives such a row no name (E012 keeps NULL out of the columns of a name)."""
+    lease = acquire("customer:None", ttl=30)
+    with pytest.raises(ValueError, match="no lock name: its field 'customer_id' is None"):
+        Order(customer_id=None).get_fence_name()
+    with pytest.raises(ValueError, match="no lock name"):
+        Order.objects.fenced_create(lease, customer_id=None)
+    assert not Order.objects.exists()
+    assert not lease.lost
+
+
 def test_new_row_whose_name_needs_its_pk_is_checked_after_insert():
     # "account:{pk}" with an automatic pk: the name is known only after the INSERT.
     lease = acquire("account:not-a-number", ttl=30)
@@ -760,11 +772,28 @@ def test_check_reports_models_without_a_usable_fence_name():
             class Meta:
                 app_label = "testapp"
 
+        class NullableText(FencedModel):
+            fence_name = "x:{a}:{b}"
+            a = models.CharField(max_length=5, null=True)
+            b = models.CharField(max_length=5)
+
+            class Meta:
+                app_label = "testapp"
+
+        class NullableNumber(FencedModel):
+            fence_name = "x:{n}"
+            n = models.IntegerField(null=True)
+
+            class Meta:
+                app_label = "testapp"
+
         found = checks.check_fenced_models(registry.get_app_configs())
     assert sorted((m.obj.__name__, m.id) for m in found) == [
         ("BadField", "distlock.E011"), ("BadSpec", "distlock.E011"),
-        ("NoName", "distlock.E010"),
+        ("NoName", "distlock.E010"), ("NullableNumber", "distlock.E012"),
+        ("NullableText", "distlock.E012"),
     ]
+    assert "field 'a'" in next(m.msg for m in found if m.obj is NullableText)
     assert checks.check_fenced_models() == []
     assert checks.check_fenced_models in registry_checks()
 
