@@ -150,6 +150,29 @@ def template_problems(model: type[models.Model]) -> list[str]:
     return problems
 
 
+def _stored_value(model: type[models.Model], field: Any, name: str, value: Any) -> Any:
+    """``value`` as ``field``'s column will hold it, for a lock name spelled as SQL spells it.
+
+    ``"07"`` assigned to an IntegerField is stored as 7, so its row is named ``"x:7"``,
+    never ``"x:07"`` (which a lease could be taken for). ValueError for None (SQL has no
+    name for such a row either) and for an expression (its value is known only in SQL).
+    """
+    if hasattr(value, "resolve_expression"):
+        raise ValueError(
+            f"{model._meta.label}: the lock name's field {name!r} is set to an expression "
+            f"({value!r}), whose lock name is known only in SQL; assign a value, or use "
+            "fenced_update(), which checks the name of such a change in the database"
+        )
+    if isinstance(value, models.Model) and field.is_relation:
+        value = value.prepare_database_save(field)
+    stored = None if value is None else field.get_prep_value(value)
+    if stored is None:
+        raise ValueError(
+            f"{model._meta.label} object has no lock name: its field {name!r} is None"
+        )
+    return stored
+
+
 def nullable_template_fields(model: type[models.Model]) -> list[str]:
     """The fields of a usable ``fence_name`` template that allow NULL (system check E012).
 
@@ -714,15 +737,8 @@ class FencedModel(models.Model):
         values = {}
         for _, name in parse_fence_name(cls.fence_name):
             if name is not None:
-                value = getattr(self, _resolve(cls, name).attname)
-                if value is None:
-                    # SQL has no name for such a row either; "x:None" would be a name
-                    # that a lease could be taken for.
-                    raise ValueError(
-                        f"{cls._meta.label} object has no lock name: its field {name!r} "
-                        "is None"
-                    )
-                values[name] = value
+                field = _resolve(cls, name)
+                values[name] = _stored_value(cls, field, name, getattr(self, field.attname))
         return cls.fence_name.format(**values)
 
     @classmethod
@@ -799,6 +815,12 @@ class FencedModel(models.Model):
         name_after_insert = self._fence_depends_on_missing_pk()
         if not name_after_insert:
             self._check_fence_name(lease)
+        else:
+            # The name waits for the new pk; its other fields must already be values.
+            pk = cls._meta.pk
+            for _, name in parse_fence_name(cls.fence_name):
+                if name is not None and (field := _resolve(cls, name)) is not pk:
+                    _stored_value(cls, field, name, getattr(self, field.attname))
         if adding:
             kwargs["force_insert"] = True
         elif kwargs.get("update_fields") is None:

@@ -466,6 +466,39 @@ def test_fenced_delete_and_fenced_create():
     assert count == 2
 
 
+def test_lock_name_is_spelled_from_the_values_as_stored():
+    """"07" in an IntegerField is stored as 7: the new row is customer 7's, not "customer:07"'s
+    (a lease may be taken for any string), in Python as in SQL."""
+    odd = acquire("customer:07", ttl=30)
+    with pytest.raises(ValueError, match="guarded by lock 'customer:7'"):
+        Order.objects.fenced_create(odd, customer_id="07")
+    assert not Order.objects.exists()
+    assert not odd.lost
+    lease = acquire("customer:7", ttl=30)
+    order = Order.objects.fenced_create(lease, customer_id="07", amount=1)
+    assert order.get_fence_name() == "customer:7"
+    assert Order.objects.filter(customer_id=7).fenced_update(lease, amount=2) == 1
+
+
+def test_save_refuses_an_expression_in_a_field_of_the_lock_name_before_any_sql():
+    """Its new name is known only in SQL, after the write: assign a value or use
+    fenced_update(), which checks the name of such a change in its WHERE."""
+    order = OrderFactory(customer_id=7, amount=1)
+    lease = acquire("customer:7", ttl=30)
+    order.customer_id = F("customer_id") + 1
+    with CaptureQueriesContext(connection) as captured, pytest.raises(
+        ValueError, match="'customer_id' is set to an expression"
+    ):
+        order.save(fence=lease)
+    assert captured.captured_queries == []
+    order.customer_id = 7
+    order.amount = F("amount") + 2  # other fields may be expressions, as in save()
+    order.save(fence=lease)
+    assert Order.objects.values_list("customer_id", "amount", "fence_token").get() == (
+        7, 3, lease.token
+    )
+
+
 def test_a_row_with_none_in_its_lock_name_has_no_name_and_is_refused():
     """str.format would name it "customer:None", a name a lease can be taken for; SQL
     gives such a row no name (E012 keeps NULL out of the columns of a name)."""
