@@ -38,6 +38,7 @@ from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import connections, models, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, Q, Value
+from django.db.models.constants import LOOKUP_SEP
 from django.db.models.expressions import Col, Expression
 from django.db.models.functions import Cast, Concat
 from django.db.models.lookups import Exact, LessThanOrEqual
@@ -239,11 +240,9 @@ def _inversion(model: type[FencedModel], name: str) -> tuple[Any, int | str] | o
     give (pk, 42)); _NO_ROW if the template cannot produce ``name``; None when the
     template has no field or several, or the model computes its names itself.
     """
-    template = model.fence_name
-    own = FencedModel.get_fence_name_expression.__func__  # type: ignore[attr-defined]
-    if template is None or model.get_fence_name_expression.__func__ is not own:  # type: ignore[attr-defined]
+    if not _uses_template(model):
         return None
-    parts = _template_field(model, template)
+    parts = _template_field(model, model.fence_name)  # type: ignore[arg-type]
     if parts is None:
         return None
     prefix, suffix, field = parts
@@ -299,6 +298,8 @@ def _filter_fence(
     conditions = Q(fence_token__lte=lease.token)
     if name_test.q is not None:
         conditions &= name_test.q
+    if name_test.after is not None:
+        conditions &= name_test.after
     if holds is not None:
         conditions &= Q(holds)
     for condition in more:
@@ -317,11 +318,14 @@ class _NameTest(NamedTuple):
 
     column: tuple[Any, int | str] | None
     q: Q | None
+    #: For an update that assigns fields of the name: the rows' name *after* it is also the
+    #: lease's (see :func:`_name_after`), so no write moves a row to another lock.
+    after: Q | None = None
 
     @property
     def direct(self) -> bool:
         """True if :func:`_with_fence` can carry it (one column, or no condition at all)."""
-        return self.column is not None or self.q is None
+        return self.after is None and (self.column is not None or self.q is None)
 
 
 def _name_test(model: type[FencedModel], name: str, *, required: bool) -> _NameTest:
@@ -348,6 +352,134 @@ def _name_test(model: type[FencedModel], name: str, *, required: bool) -> _NameT
             raise
         return _NameTest(None, None)
     return _NameTest(None, None if expression is None else Q(_SameName(expression, name)))
+
+
+def _columns_read(expression: Any) -> set[str] | None:
+    """Names of the model's columns that ``expression`` reads (``F("a") + 1``: {"a"});
+    None if it may read more than its tree shows (a subquery, which can read any row)."""
+    names: set[str] = set()
+    stack = [expression]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, F):
+            names.add(node.name.split(LOOKUP_SEP, 1)[0])
+        elif isinstance(node, models.QuerySet) or getattr(node, "subquery", False):
+            return None
+        elif isinstance(node, Q):
+            for child in node.children:
+                if isinstance(child, tuple):
+                    names.add(child[0].split(LOOKUP_SEP, 1)[0])
+                    stack.append(child[1])
+                else:
+                    stack.append(child)
+        elif hasattr(node, "get_source_expressions"):
+            stack.extend(part for part in node.get_source_expressions() if part is not None)
+    return names
+
+
+def _uses_template(model: type[FencedModel]) -> bool:
+    """True if the model's names come from ``fence_name`` alone (no overridden SQL form)."""
+    own = FencedModel.get_fence_name_expression.__func__  # type: ignore[attr-defined]
+    return (
+        model.fence_name is not None
+        and model.get_fence_name_expression.__func__ is own  # type: ignore[attr-defined]
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _name_fields(model: type[FencedModel]) -> frozenset[Any] | None:
+    """The concrete fields the rows' lock names are built from; None when that cannot be
+    told (get_fence_name() without an SQL form, or a form with a subquery)."""
+    if _uses_template(model):
+        names = [name for _, name in parse_fence_name(model.fence_name) if name is not None]
+        return frozenset(_resolve(model, name) for name in names)
+    try:
+        expression = model.get_fence_name_expression()
+    except NotImplementedError:
+        return None
+    read = set() if expression is None else _columns_read(expression)
+    if read is None:
+        return None
+    try:
+        return frozenset(_resolve(model, name) for name in read)
+    except FieldDoesNotExist:
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _name_keys(model: type[FencedModel]) -> frozenset[str]:
+    """The names and attnames of :func:`_name_fields` (how a change may spell them)."""
+    fields = _name_fields(model) or ()
+    return frozenset(f.name for f in fields) | frozenset(f.attname for f in fields)
+
+
+def _refuse_move(model: type[models.Model], lease: Lease, why: str) -> None:
+    raise ValueError(
+        f"lease for lock {lease.name!r} cannot move rows of {model._meta.label} to another "
+        f"lock: {why}"
+    )
+
+
+def _name_after(
+    model: type[FencedModel], lease: Lease, assigned: dict[Any, Any], *, written: Iterable[Any],
+) -> Q | None:
+    """The WHERE condition "the row's lock name after this UPDATE is the lease's".
+
+    ``assigned`` maps each field of the name that the UPDATE sets to its new value (a
+    value as stored, or an expression); ``written`` is every column the UPDATE sets. None
+    when no condition is needed: nothing of the name changes, or every field of a
+    template gets a value and the new name is the lease's (then decided here, in Python,
+    and a different one raises ValueError before any SQL). An expression is checked in
+    SQL: the name expression with the expression in the field's place must equal the
+    lease's name, row by row, evaluated on the row as it was (as the UPDATE's SET is).
+    """
+    if not assigned:
+        return None
+    fields = _name_fields(model)
+    if fields is None:
+        _refuse_move(model, lease, (
+            "distlock cannot tell which columns make its lock names, so it cannot check "
+            "that this update keeps them"
+        ))
+    written = set(written)
+    for field, value in assigned.items():
+        if not hasattr(value, "resolve_expression"):
+            continue
+        read = _columns_read(value)
+        if read is None:
+            _refuse_move(model, lease, (
+                f"{field.name!r} is set to a subquery; the lock name's fields take values "
+                "or expressions over the row's own columns"
+            ))
+        try:
+            others = {_resolve(model, name) for name in read} - {field}
+        except FieldDoesNotExist:
+            others = set(written)
+        if others & written:
+            # MariaDB and MySQL evaluate SET left to right: the new name could depend on
+            # a column this UPDATE has already changed, unlike in the WHERE.
+            _refuse_move(model, lease, (
+                f"{field.name!r} is set to an expression over columns this update also "
+                "changes"
+            ))
+    if _uses_template(model) and set(assigned) == fields and not any(
+        hasattr(value, "resolve_expression") for value in assigned.values()
+    ):
+        values = {
+            name: assigned[_resolve(model, name)]
+            for _, name in parse_fence_name(model.fence_name) if name is not None
+        }
+        new = model.fence_name.format(**values)  # type: ignore[union-attr]
+        if new != lease.name:
+            _refuse_move(model, lease, f"the update would give them lock {new!r}")
+        return None
+    replacements: dict[Any, Any] = {}
+    for field, value in assigned.items():
+        if not hasattr(value, "resolve_expression"):
+            value = Value(value, output_field=field)
+        replacements[F(field.attname)] = replacements[F(field.name)] = value
+    expression = model.get_fence_name_expression()
+    return Q(_SameName(expression.replace_expressions(replacements), lease.name))
 
 
 def _constant_name(model: type[FencedModel]) -> str | None:
@@ -614,12 +746,29 @@ class FencedQuerySet(models.QuerySet[M]):
         if FENCE_FIELD in changes:
             raise ValueError(f"fenced_update() sets {FENCE_FIELD} itself")
         same_name = self._fence_target(lease, changes)
+        same_name = same_name._replace(after=self._name_after(lease, changes))
 
         def write(folded: _LeaseHolds | None) -> int:
             return self._claim(lease, same_name, changes, folded)
 
         return _fenced(
             self.model, lease, self.db, write, self._row_token, "rows", one_statement=True
+        )
+
+    def _name_after(self, lease: Lease, changes: dict[str, Any]) -> Q | None:
+        """:func:`_name_after` for ``changes``: None, a WHERE condition, or ValueError."""
+        model = self.model
+        fields = _name_fields(model)
+        if fields is not None and not any(key in _name_keys(model) for key in changes):
+            return None  # the common case, without resolving every key
+        written = {_resolve(model, key): value for key, value in changes.items()}
+        assigned = {
+            field: value if hasattr(value, "resolve_expression")
+            else _stored_value(model, field, field.name, value)
+            for field, value in written.items() if fields is None or field in fields
+        }
+        return _name_after(
+            model, lease, assigned, written=[*written, model._meta.get_field(FENCE_FIELD)]
         )
 
     def fenced_delete(self, lease: Lease) -> tuple[int, dict[str, int]]:
@@ -655,7 +804,11 @@ class FencedQuerySet(models.QuerySet[M]):
         def skipped() -> Q:
             """The rows this queryset matches that the UPDATE would not write."""
             older = Q(fence_token__gt=token)
-            return older if same_name.q is None else older | ~same_name.q
+            if same_name.q is not None:
+                older |= ~same_name.q
+            if same_name.after is not None:
+                older |= ~same_name.after
+            return older
 
         pinned = _pinned(self.query)
         if folded is not None and pinned and same_name.direct:
@@ -671,6 +824,14 @@ class FencedQuerySet(models.QuerySet[M]):
         if self.filter(skipped()).exists():
             if self.filter(fence_token__gt=token).exists():
                 raise _Refused(by_owner_check=False)
+            if same_name.after is not None and (
+                same_name.q is None or not self.filter(~same_name.q).exists()
+            ):
+                raise _OtherLock(
+                    f"lease for lock {lease.name!r} cannot move rows of "
+                    f"{self.model._meta.label} to another lock: after this update some of "
+                    "them would be guarded by another lock"
+                )
             raise _OtherLock(
                 f"lease for lock {lease.name!r} cannot fence every row of this "
                 f"queryset: some rows of {self.model._meta.label} are guarded by "
@@ -881,7 +1042,10 @@ class FencedModel(models.Model):
                 base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
             )
         lease, folded = fence
-        same_name = _name_test(type(self), lease.name, required=False)
+        cls = type(self)
+        same_name = _name_test(cls, lease.name, required=False)
+        same_name = same_name._replace(after=self._name_after_save(lease, values, pk_val))
+        rows = base_qs
         if folded is not None and same_name.direct:
             # Django filters base_qs by the pk next: one row at most.
             base_qs = _with_fence(base_qs, lease, same_name.column, folded)
@@ -894,10 +1058,40 @@ class FencedModel(models.Model):
         if not updated:
             # Which condition failed only matters for the message and for marking the
             # lease lost; the statement already decided.
-            raise _Refused(
-                by_owner_check=folded is not None and not _lease_is_current(lease, using)
-            )
+            lost = folded is not None and not _lease_is_current(lease, using)
+            if not lost and same_name.after is not None and _filter_fence(
+                rows.filter(pk=pk_val), lease, same_name._replace(after=None), None
+            ).exists():
+                raise _OtherLock(
+                    f"lease for lock {lease.name!r} cannot save {cls._meta.label} "
+                    f"pk={pk_val!r}: with the fields it writes, the row would be guarded "
+                    "by another lock"
+                )
+            raise _Refused(by_owner_check=lost)
         return updated
+
+    def _name_after_save(self, lease: Lease, values: list[Any], pk_val: Any) -> Q | None:
+        """:func:`_name_after` for an UPDATE by save(): needed only when it writes some
+        fields of the name but not all (``update_fields``, deferred fields), as the name
+        then mixes the instance's values and the row's. The pk counts as written: the
+        UPDATE's WHERE pins it.
+        """
+        cls = type(self)
+        fields = _name_fields(cls)
+        if fields is None:
+            return None  # no SQL form: only the instance's name (checked) can be compared
+        pk = cls._meta.pk
+        written = {value[0]: value[2] for value in values}
+        written[pk] = pk_val
+        assigned = {
+            field: _stored_value(cls, field, field.name, value)
+            for field, value in written.items() if field in fields
+        }
+        if len(assigned) in (0, len(fields)):
+            # All of them: the instance's own name, already compared with the lease's.
+            # None: the stored name, which the UPDATE's WHERE compares.
+            return None
+        return _name_after(cls, lease, assigned, written=written)
 
     def delete(
         self, using: str | None = None, keep_parents: bool = False, *,

@@ -14,7 +14,8 @@ import time
 
 import pytest
 from django.db import IntegrityError, connection, connections, models, transaction
-from django.db.models import F
+from django.db.models import F, Value
+from django.db.models.functions import Concat, Lower
 from django.test.utils import CaptureQueriesContext, isolate_apps
 
 from distlock import StaleToken, acquire, checks, signals
@@ -633,6 +634,139 @@ def test_moving_a_row_to_another_locks_name_is_refused():
         order.save(fence=lease)
     assert Order.objects.get(pk=order.pk).customer_id == 1
     assert not lease.lost
+
+
+def rows_of(model) -> list[tuple]:
+    """Every row of ``model`` with every column, in pk order: "nothing changed" checks."""
+    return list(model.objects.order_by("pk").values_list())
+
+
+def test_fenced_update_cannot_move_rows_to_another_lock():
+    """customer:7's lease must not give its rows customer 8's name: customer:8's holder
+    would find its rows changed (and its own next write refused) though it held the lock.
+
+    A value is compared in Python before any SQL; an expression in the UPDATE's WHERE,
+    on the row as it was, so customer_id = F("customer_id") + 0 passes and + 1 does not.
+    """
+    eight = acquire("customer:8", ttl=30)  # older token than seven's
+    seven = acquire("customer:7", ttl=30)
+    OrderFactory.create_batch(2, customer_id=7, amount=1)
+    OrderFactory(customer_id=8, amount=1)
+    orders = Order.objects.filter(customer_id=7)
+    before = rows_of(Order)
+    with CaptureQueriesContext(connection) as captured, pytest.raises(
+        ValueError, match="would give them lock 'customer:8'"
+    ):
+        orders.fenced_update(seven, customer_id=8)
+    assert captured.captured_queries == []
+    with pytest.raises(ValueError, match="would be guarded by another lock"):
+        orders.fenced_update(seven, customer_id=F("customer_id") + 1, status="moved")
+    with pytest.raises(ValueError, match="columns this update also changes"):
+        orders.fenced_update(seven, customer_id=F("amount") + 6, amount=2)
+    assert rows_of(Order) == before
+    assert orders.fenced_update(seven, customer_id=F("customer_id") + 0) == 2
+    assert orders.fenced_update(seven, customer_id="7", status="same") == 2
+    assert orders.fenced_update(seven, customer_id=F("amount") + 6) == 2  # 1 + 6: still 7
+    assert Order.objects.filter(customer_id=8).fenced_update(eight, status="mine") == 1
+    assert not seven.lost and not eight.lost
+    assert sorted(Order.objects.values_list("customer_id", "status")) == [
+        (7, "same"), (7, "same"), (8, "mine"),
+    ]
+
+
+def test_fenced_update_cannot_change_the_pk_in_a_lock_name():
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    rows = Account.objects.filter(pk=account.pk)
+    with pytest.raises(ValueError, match=f"would give them lock 'account:{account.pk + 100}'"):
+        rows.fenced_update(lease, id=account.pk + 100)
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        rows.fenced_update(lease, id=F("id") + 100)
+    assert rows.fenced_update(lease, id=account.pk, balance=1) == 1
+    assert list(Account.objects.values_list("pk", "balance")) == [(account.pk, 1)]
+
+
+def test_fenced_update_of_one_field_of_a_multi_field_name_is_checked_in_sql():
+    """With "sheet:{book}:{tab}" the new name mixes the new book and each row's tab."""
+    SheetFactory(book="a", tab="b")
+    lease = acquire("sheet:a:b", ttl=30)
+    rows = Sheet.objects.filter(tab="b")
+    before = rows_of(Sheet)
+    for changes in (
+        {"book": "x"}, {"book": Concat(F("book"), Value("x"))}, {"tab": F("book")},
+    ):
+        with pytest.raises(ValueError, match="would be guarded by another lock"):
+            rows.fenced_update(lease, **changes)
+    with pytest.raises(ValueError, match="would give them lock 'sheet:a:b:'"):
+        rows.fenced_update(lease, book="a:b", tab="")
+    assert rows_of(Sheet) == before
+    assert rows.fenced_update(lease, book="a", body="1") == 1
+    assert rows.fenced_update(lease, book=Lower("book"), body="2") == 1
+    assert Sheet.objects.values_list("book", "tab", "body").get() == ("a", "b", "2")
+    assert not lease.lost
+
+
+def test_fenced_save_cannot_move_a_row_with_some_fields_of_its_name():
+    """The instance's name is the lease's, the stored row's too, yet writing only
+    ``book`` would leave the row named "sheet:x:y:y:z": refused by the UPDATE's WHERE."""
+    sheet = SheetFactory(book="x", tab="y:z")
+    lease = acquire("sheet:x:y:z", ttl=30)
+    sheet.book, sheet.tab = "x:y", "z"
+    assert sheet.get_fence_name() == lease.name
+    before = rows_of(Sheet)
+    with pytest.raises(ValueError, match="would be guarded by another lock"):
+        sheet.save(fence=lease, update_fields=["book"])
+    assert rows_of(Sheet) == before
+    deferred = Sheet.objects.only("book").get()  # saving writes only the loaded fields
+    deferred.book = "x:y"  # its name reads the stored tab: "sheet:x:y:y:z"
+    with pytest.raises(ValueError, match="guarded by lock 'sheet:x:y:y:z'"):
+        deferred.save(fence=lease)
+    assert rows_of(Sheet) == before
+    sheet.save(fence=lease)  # every field: the row keeps its lock name
+    assert Sheet.objects.values_list("book", "tab").get() == ("x:y", "z")
+    assert not lease.lost
+
+
+def test_fenced_save_with_a_changed_pk_writes_that_row_and_never_copies():
+    """Django's save() inserts a copy when no row has the new pk; a fenced save is an
+    UPDATE of the row with that pk (refused if it is another lock's, StaleToken if none)."""
+    order, other = OrderFactory(customer_id=7), OrderFactory(customer_id=8)
+    lease = acquire("customer:7", ttl=30)
+    before = rows_of(Order)
+    order.pk = other.pk
+    with pytest.raises(ValueError, match="as stored is guarded by another lock"):
+        order.save(fence=lease)
+    order.pk = other.pk + 1000
+    with pytest.raises(StaleToken, match="the row no longer exists"):
+        order.save(fence=lease)
+    assert rows_of(Order) == before
+    account = AccountFactory()
+    moved = acquire(f"account:{account.pk + 1000}", ttl=30)
+    account.pk += 1000
+    with pytest.raises(StaleToken, match="the row no longer exists"):
+        account.save(fence=moved)
+    assert list(Account.objects.values_list("pk", flat=True)) == [account.pk - 1000]
+
+
+def test_fenced_delete_and_create_refuse_rows_of_another_lock():
+    order = OrderFactory(customer_id=7)
+    OrderFactory(customer_id=8)
+    seven, eight = acquire("customer:7", ttl=30), acquire("customer:8", ttl=30)
+    before = rows_of(Order)
+    order.customer_id = 8
+    with pytest.raises(ValueError, match="guarded by lock 'customer:8'"):
+        order.delete(fence=seven)
+    with pytest.raises(ValueError, match="as stored is guarded by another lock"):
+        order.delete(fence=eight)
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        Order.objects.all().fenced_delete(seven)
+    with pytest.raises(ValueError, match="guarded by lock 'customer:8'"):
+        Order.objects.fenced_create(seven, customer_id=8)
+    with pytest.raises(ValueError, match="guarded by lock 'sheet:a:b'"):
+        Sheet.objects.fenced_create(acquire("sheet:a:b:", ttl=30), book="a", tab="b")
+    assert rows_of(Order) == before
+    assert not Sheet.objects.exists()
+    assert not seven.lost and not eight.lost
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "locks"])
