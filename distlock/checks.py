@@ -123,14 +123,20 @@ def database_messages(
 
 
 def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """distlock.E010–E012: every concrete FencedModel says which lock guards its rows.
+    """distlock.E010–E012, W010: every concrete FencedModel says which lock guards its rows,
+    and its managers refuse to write the token.
 
     Caught at start-up rather than at the first fenced write, which may run in a rare
     code path (a nightly job) long after the deploy.
     """
     from django.apps import apps
 
-    from distlock.fencing import FencedModel, nullable_template_fields, template_problems
+    from distlock.fencing import (
+        FencedModel,
+        is_fenced_manager,
+        nullable_template_fields,
+        template_problems,
+    )
 
     configs = app_configs if app_configs is not None else apps.get_app_configs()
     messages: list[CheckMessage] = []
@@ -138,6 +144,20 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
         for model in config.get_models():
             if not issubclass(model, FencedModel):
                 continue
+            plain = [
+                manager.name for manager in (*model._meta.managers, model._base_manager)
+                if not is_fenced_manager(manager)
+            ]
+            for name in dict.fromkeys(plain):
+                messages.append(Warning(
+                    f"{model._meta.label}.{name} is not built on FencedQuerySet: its "
+                    "update(), bulk_update() and bulk_create(update_conflicts=True) can "
+                    "lower fence_token.",
+                    hint="Build it with FencedManager or FencedQuerySet (e.g. "
+                    "FencedManager.from_queryset(MyQuerySet)); on PostgreSQL the "
+                    "RefuseLowerFenceToken migration operation stops every writer.",
+                    obj=model, id="distlock.W010",
+                ))
             overridden = model.get_fence_name is not FencedModel.get_fence_name
             if model.fence_name is None:
                 if not overridden:

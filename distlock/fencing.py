@@ -42,6 +42,7 @@ from django.db.models.constants import LOOKUP_SEP
 from django.db.models.expressions import Col, Expression
 from django.db.models.functions import Cast, Concat
 from django.db.models.lookups import Exact, LessThanOrEqual
+from django.db.models.signals import class_prepared
 from django.db.models.sql.where import AND
 
 from distlock import db, signals
@@ -711,6 +712,39 @@ class FencedQuerySet(models.QuerySet[M]):
             raise ValueError(f"{FENCE_FIELD} is written only by fenced writes")
         return super().bulk_update(objs, fields, *args, **kwargs)
 
+    def bulk_create(
+        self, objs: Iterable[M], batch_size: int | None = None, ignore_conflicts: bool = False,
+        update_conflicts: bool = False, update_fields: Iterable[str] | None = None,
+        unique_fields: Iterable[str] | None = None,
+    ) -> list[M]:
+        """Plain, unfenced bulk_create. Refuses ``update_conflicts`` that would write
+        ``fence_token`` of existing rows (an upsert is an UPDATE of them)."""
+        if update_fields is not None:
+            update_fields = list(update_fields)
+            if update_conflicts and FENCE_FIELD in update_fields:
+                raise ValueError(
+                    f"{FENCE_FIELD} is written only by fenced writes; leave it out of "
+                    "bulk_create(update_conflicts=True, update_fields=...)"
+                )
+        return super().bulk_create(
+            objs, batch_size=batch_size, ignore_conflicts=ignore_conflicts,
+            update_conflicts=update_conflicts, update_fields=update_fields,
+            unique_fields=unique_fields,
+        )
+
+    def update_or_create(
+        self, defaults: Any = None, create_defaults: Any = None, **kwargs: Any,
+    ) -> tuple[M, bool]:
+        """Plain, unfenced update_or_create. Refuses ``fence_token`` in ``defaults``."""
+        if defaults and FENCE_FIELD in defaults:
+            raise ValueError(
+                f"{FENCE_FIELD} is written only by fenced writes; leave it out of "
+                "update_or_create(defaults=...)"
+            )
+        return super().update_or_create(
+            defaults=defaults, create_defaults=create_defaults, **kwargs
+        )
+
     def _fence_target(self, lease: Lease, changes: Iterable[str]) -> _NameTest:
         model = self.model
         local = _local_columns(model)
@@ -854,6 +888,35 @@ class FencedQuerySet(models.QuerySet[M]):
 
 class FencedManager(models.Manager.from_queryset(FencedQuerySet)):  # type: ignore[misc]
     """The default manager of fenced models: ``fenced_update``/``fenced_create`` and co."""
+
+
+def is_fenced_manager(manager: object) -> bool:
+    """True if ``manager``'s querysets are FencedQuerySets (they refuse to set the token)."""
+    queryset_class = getattr(manager, "_queryset_class", None)
+    return isinstance(queryset_class, type) and issubclass(queryset_class, FencedQuerySet)
+
+
+def _fenced_base_manager(sender: type[models.Model], **kwargs: Any) -> None:
+    """On ``class_prepared``: a FencedModel's ``_base_manager`` is its default manager, when
+    that one is fenced and ``Meta.base_manager_name`` names none.
+
+    Django's base manager (related objects, ``refresh_from_db()``, the deletion collector)
+    is otherwise a plain Manager, whose ``update(fence_token=0)`` would lower the
+    high-water mark. Set here, not in ``FencedModel.Meta``: a child's own ``class Meta``
+    does not inherit that option, and as a Meta option it would add a migration to every
+    fenced model (migrations read Meta's own attributes, and they leave out a base
+    manager that is the default manager).
+    """
+    opts = sender._meta
+    if not issubclass(sender, FencedModel) or opts.abstract or opts.base_manager_name:
+        return
+    default = opts.default_manager
+    if default is not None and is_fenced_manager(default):
+        opts.base_manager_name = default.name
+        opts.__dict__.pop("base_manager", None)  # computed before? (a cached_property)
+
+
+class_prepared.connect(_fenced_base_manager, dispatch_uid="distlock.fenced_base_manager")
 
 
 # -- the model ----------------------------------------------------------------------------

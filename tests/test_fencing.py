@@ -626,6 +626,43 @@ def test_plain_writes_are_allowed_and_never_lower_the_token():
     assert not Account.objects.filter(pk=account.pk).exists()
 
 
+def test_no_manager_or_bulk_path_writes_the_token():
+    """update(), bulk_update(), an upsert by bulk_create() and update_or_create() refuse
+    fence_token on the default manager and on _base_manager (Django's own, for related
+    objects and refresh_from_db(), which FencedModel makes its fenced default manager)."""
+    account = AccountFactory(balance=1)
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    account.save(fence=lease)
+    assert Account._base_manager.name == "objects"
+    upsert = {"update_conflicts": True}
+    if connection.features.supports_update_conflicts_with_target:
+        upsert["unique_fields"] = ["id"]
+    copy = Account(pk=account.pk, balance=5, fence_token=0)
+    before = rows_of(Account)
+    for manager in (Account.objects, Account._base_manager):
+        with CaptureQueriesContext(connection) as captured:
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.update(fence_token=0)
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.filter(pk=account.pk).update(fence_token=F("fence_token") - 1)
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.bulk_update([copy], ["balance", "fence_token"])
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.bulk_create([copy], update_fields=["balance", "fence_token"], **upsert)
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.update_or_create(pk=account.pk, defaults={"fence_token": 0})
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.update_or_create(pk=account.pk + 1, defaults={"fence_token": 0})
+        assert captured.captured_queries == []
+    assert rows_of(Account) == before
+    # The same calls without the token stay plain, unfenced writes.
+    Account._base_manager.bulk_create([copy], update_fields=["balance"], **upsert)
+    Account._base_manager.update_or_create(pk=account.pk, defaults={"note": "upsert"})
+    assert Account.objects.values_list("balance", "note", "fence_token").get() == (
+        5, "upsert", lease.token
+    )
+
+
 def test_moving_a_row_to_another_locks_name_is_refused():
     order = OrderFactory(customer_id=1)
     lease = acquire("customer:2", ttl=30)
@@ -954,12 +991,31 @@ def test_check_reports_models_without_a_usable_fence_name():
             class Meta:
                 app_label = "testapp"
 
+        class PlainManager(FencedModel):
+            fence_name = "x:{pk}"
+            objects = models.Manager()
+
+            class Meta:
+                app_label = "testapp"
+
+        class OwnMeta(FencedModel):
+            fence_name = "x:{pk}"
+
+            class Meta:  # not FencedModel.Meta's child: the base manager is set anyway
+                app_label = "testapp"
+                ordering = ["pk"]
+
         found = checks.check_fenced_models(registry.get_app_configs())
     assert sorted((m.obj.__name__, m.id) for m in found) == [
         ("BadField", "distlock.E011"), ("BadSpec", "distlock.E011"),
         ("NoName", "distlock.E010"), ("NullableNumber", "distlock.E012"),
-        ("NullableText", "distlock.E012"),
+        ("NullableText", "distlock.E012"), ("PlainManager", "distlock.W010"),
+        ("PlainManager", "distlock.W010"),
     ]
+    assert sorted(m.msg.split(" ")[0] for m in found if m.id == "distlock.W010") == [
+        "testapp.PlainManager._base_manager", "testapp.PlainManager.objects",
+    ]
+    assert OwnMeta._base_manager.name == "objects"
     assert "field 'a'" in next(m.msg for m in found if m.obj is NullableText)
     assert checks.check_fenced_models() == []
     assert checks.check_fenced_models in registry_checks()
