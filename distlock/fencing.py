@@ -39,7 +39,7 @@ from django.db import connections, models, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, Q, Value
 from django.db.models.constants import LOOKUP_SEP
-from django.db.models.expressions import Col, Expression
+from django.db.models.expressions import Col, Expression, RawSQL
 from django.db.models.functions import Cast, Concat
 from django.db.models.lookups import Exact, LessThanOrEqual
 from django.db.models.signals import class_prepared
@@ -357,14 +357,15 @@ def _name_test(model: type[FencedModel], name: str, *, required: bool) -> _NameT
 
 def _columns_read(expression: Any) -> set[str] | None:
     """Names of the model's columns that ``expression`` reads (``F("a") + 1``: {"a"});
-    None if it may read more than its tree shows (a subquery, which can read any row)."""
+    None if it may read more than its tree shows (a subquery, which can read any row, or
+    raw SQL)."""
     names: set[str] = set()
     stack = [expression]
     while stack:
         node = stack.pop()
         if isinstance(node, F):
             names.add(node.name.split(LOOKUP_SEP, 1)[0])
-        elif isinstance(node, models.QuerySet) or getattr(node, "subquery", False):
+        elif isinstance(node, models.QuerySet | RawSQL) or getattr(node, "subquery", False):
             return None
         elif isinstance(node, Q):
             for child in node.children:
@@ -449,8 +450,8 @@ def _name_after(
         read = _columns_read(value)
         if read is None:
             _refuse_move(model, lease, (
-                f"{field.name!r} is set to a subquery; the lock name's fields take values "
-                "or expressions over the row's own columns"
+                f"{field.name!r} is set to a subquery or raw SQL; the lock name's fields "
+                "take values or expressions over the row's own columns"
             ))
         try:
             others = {_resolve(model, name) for name in read} - {field}
@@ -913,7 +914,7 @@ def _fenced_base_manager(sender: type[models.Model], **kwargs: Any) -> None:
     default = opts.default_manager
     if default is not None and is_fenced_manager(default):
         opts.base_manager_name = default.name
-        opts.__dict__.pop("base_manager", None)  # computed before? (a cached_property)
+        opts.__dict__.pop("base_manager", None)  # a cached_property, maybe computed already
 
 
 class_prepared.connect(_fenced_base_manager, dispatch_uid="distlock.fenced_base_manager")
@@ -1143,17 +1144,16 @@ class FencedModel(models.Model):
         fields = _name_fields(cls)
         if fields is None:
             return None  # no SQL form: only the instance's name (checked) can be compared
-        pk = cls._meta.pk
         written = {value[0]: value[2] for value in values}
-        written[pk] = pk_val
+        if not any(field in fields for field in written):
+            return None  # the row keeps its stored name, which the UPDATE's WHERE compares
+        written[cls._meta.pk] = pk_val
+        of_name = [field for field in written if field in fields]
+        if len(of_name) == len(fields):
+            return None  # the instance's own name, already compared with the lease's
         assigned = {
-            field: _stored_value(cls, field, field.name, value)
-            for field, value in written.items() if field in fields
+            field: _stored_value(cls, field, field.name, written[field]) for field in of_name
         }
-        if len(assigned) in (0, len(fields)):
-            # All of them: the instance's own name, already compared with the lease's.
-            # None: the stored name, which the UPDATE's WHERE compares.
-            return None
         return _name_after(cls, lease, assigned, written=written)
 
     def delete(

@@ -14,7 +14,8 @@ import time
 
 import pytest
 from django.db import IntegrityError, connection, connections, models, transaction
-from django.db.models import F, Value
+from django.db.models import F, OuterRef, Subquery, Value
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Concat, Lower
 from django.test.utils import CaptureQueriesContext, isolate_apps
 
@@ -700,6 +701,10 @@ def test_fenced_update_cannot_move_rows_to_another_lock():
         orders.fenced_update(seven, customer_id=F("customer_id") + 1, status="moved")
     with pytest.raises(ValueError, match="columns this update also changes"):
         orders.fenced_update(seven, customer_id=F("amount") + 6, amount=2)
+    same = Order.objects.filter(pk=OuterRef("pk")).values("customer_id")[:1]
+    for unknowable in (Subquery(same), RawSQL("customer_id", [])):
+        with pytest.raises(ValueError, match="subquery or raw SQL"):
+            orders.fenced_update(seven, customer_id=unknowable)
     assert rows_of(Order) == before
     assert orders.fenced_update(seven, customer_id=F("customer_id") + 0) == 2
     assert orders.fenced_update(seven, customer_id="7", status="same") == 2
