@@ -775,7 +775,9 @@ class FencedQuerySet(models.QuerySet[M]):
         One conditional UPDATE (``fence_token <= lease.token`` and the row's lock name)
         sets ``fence_token`` to the lease's token, after the ownership check. All or
         nothing: if any row holds a newer token the whole update is rolled back and
-        StaleToken is raised; if any row belongs to another lock, ValueError.
+        StaleToken is raised; if any row belongs to another lock, or would after the
+        update (``changes`` to fields of the lock name: a value is compared before any
+        SQL, an expression in the UPDATE's WHERE), ValueError.
         """
         lease = _check_lease(lease)
         if FENCE_FIELD in changes:
@@ -1019,8 +1021,10 @@ class FencedModel(models.Model):
         A new instance (or ``force_insert``) is inserted with ``fence_token`` = the
         lease's token; otherwise one conditional UPDATE writes the row, and matching no
         row raises StaleToken (nothing is written, the lease is marked lost). A lease of
-        another lock raises ValueError. Without ``fence`` this is Django's save, except
-        that ``fence_token`` is never written by an UPDATE.
+        another lock raises ValueError, as does a write that would leave the row under
+        another lock's name (an expression in a field of the name is refused). Without
+        ``fence`` this is Django's save, except that ``fence_token`` is never written by an
+        UPDATE.
         """
         if fence is None:
             super().save(*args, **kwargs)

@@ -527,7 +527,12 @@ def test_lock_name_from_a_method_with_its_sql_form():
     document = Document.objects.create(folder="Reports")
     lease = acquire("folder/reports", ttl=30)
     assert Document.objects.filter(folder="Reports").fenced_update(lease, title="t") == 1
+    # Changes to the columns its SQL form reads are checked against that form.
+    with pytest.raises(ValueError, match="would be guarded by another lock"):
+        Document.objects.filter(folder="Reports").fenced_update(lease, folder="Plans")
+    assert Document.objects.filter(pk=document.pk).fenced_update(lease, folder="REPORTS") == 1
     document.refresh_from_db()
+    assert document.folder == "REPORTS"
     document.title = "u"
     document.save(fence=lease)
     document.delete(fence=lease)
