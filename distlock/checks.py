@@ -198,14 +198,20 @@ def _inexact_names(
 
 
 def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """distlock.E010–E011: every concrete FencedModel says which lock guards its rows.
+    """distlock.E010–E012, W010: every concrete FencedModel says which lock guards its rows,
+    and its managers refuse to write the token.
 
     Caught at start-up rather than at the first fenced write, which may run in a rare
     code path (a nightly job) long after the deploy.
     """
     from django.apps import apps
 
-    from distlock.fencing import FencedModel, template_problems
+    from distlock.fencing import (
+        FencedModel,
+        is_fenced_manager,
+        nullable_template_fields,
+        template_problems,
+    )
 
     configs = app_configs if app_configs is not None else apps.get_app_configs()
     messages: list[CheckMessage] = []
@@ -213,6 +219,20 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
         for model in config.get_models():
             if not issubclass(model, FencedModel):
                 continue
+            plain = [
+                manager.name for manager in (*model._meta.managers, model._base_manager)
+                if not is_fenced_manager(manager)
+            ]
+            for name in dict.fromkeys(plain):
+                messages.append(Warning(
+                    f"{model._meta.label}.{name} is not built on FencedQuerySet: its "
+                    "update(), bulk_update() and bulk_create(update_conflicts=True) can "
+                    "lower fence_token.",
+                    hint="Build it with FencedManager or FencedQuerySet (e.g. "
+                    "FencedManager.from_queryset(MyQuerySet)); on PostgreSQL the "
+                    "RefuseLowerFenceToken migration operation stops every writer.",
+                    obj=model, id="distlock.W010",
+                ))
             overridden = model.get_fence_name is not FencedModel.get_fence_name
             if model.fence_name is None:
                 if not overridden:
@@ -230,5 +250,13 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
                     hint="Use plain {field} names of integer or text columns (pk works), "
                     "or override get_fence_name() and get_fence_name_expression().",
                     obj=model, id="distlock.E011",
+                ))
+            for name in nullable_template_fields(model):
+                messages.append(Error(
+                    f"{model._meta.label}.fence_name uses field {name!r}, which allows NULL.",
+                    hint="A NULL has no lock name that Python and SQL agree on (str.format "
+                    "writes 'None', SQL concatenation ''). Make the field null=False, or "
+                    "override get_fence_name() and get_fence_name_expression().",
+                    obj=model, id="distlock.E012",
                 ))
     return messages

@@ -38,9 +38,11 @@ from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import connections, models, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, Q, Value
-from django.db.models.expressions import Col, Expression
+from django.db.models.constants import LOOKUP_SEP
+from django.db.models.expressions import Col, Expression, RawSQL
 from django.db.models.functions import Cast, Concat
 from django.db.models.lookups import Exact, LessThanOrEqual
+from django.db.models.signals import class_prepared
 from django.db.models.sql.where import AND
 
 from distlock import db, signals, uncommitted
@@ -150,6 +152,42 @@ def template_problems(model: type[models.Model]) -> list[str]:
     return problems
 
 
+def _stored_value(model: type[models.Model], field: Any, name: str, value: Any) -> Any:
+    """``value`` as ``field``'s column will hold it, for a lock name spelled as SQL spells it.
+
+    ``"07"`` assigned to an IntegerField is stored as 7, so its row is named ``"x:7"``,
+    never ``"x:07"`` (which a lease could be taken for). ValueError for None (SQL has no
+    name for such a row either) and for an expression (its value is known only in SQL).
+    """
+    if hasattr(value, "resolve_expression"):
+        raise ValueError(
+            f"{model._meta.label}: the lock name's field {name!r} is set to an expression "
+            f"({value!r}), whose lock name is known only in SQL; assign a value, or use "
+            "fenced_update(), which checks the name of such a change in the database"
+        )
+    if isinstance(value, models.Model) and field.is_relation:
+        value = value.prepare_database_save(field)
+    stored = None if value is None else field.get_prep_value(value)
+    if stored is None:
+        raise ValueError(
+            f"{model._meta.label} object has no lock name: its field {name!r} is None"
+        )
+    return stored
+
+
+def nullable_template_fields(model: type[models.Model]) -> list[str]:
+    """The fields of a usable ``fence_name`` template that allow NULL (system check E012).
+
+    A NULL has no lock name both definitions agree on: ``str.format`` writes ``None``,
+    SQL's concatenation an empty string (and a one-field name test matches no row). Only
+    NOT NULL fields keep get_fence_name() and its SQL form equal by construction.
+    """
+    if template_problems(model):
+        return []
+    names = [name for _, name in parse_fence_name(model.fence_name) if name is not None]  # type: ignore[attr-defined]
+    return [name for name in dict.fromkeys(names) if _resolve(model, name).null]
+
+
 class _SameName(Expression):
     """``<lock name of the row> = %s``, compared byte for byte, never NULL."""
 
@@ -203,11 +241,9 @@ def _inversion(model: type[FencedModel], name: str) -> tuple[Any, int | str] | o
     give (pk, 42)); _NO_ROW if the template cannot produce ``name``; None when the
     template has no field or several, or the model computes its names itself.
     """
-    template = model.fence_name
-    own = FencedModel.get_fence_name_expression.__func__  # type: ignore[attr-defined]
-    if template is None or model.get_fence_name_expression.__func__ is not own:  # type: ignore[attr-defined]
+    if not _uses_template(model):
         return None
-    parts = _template_field(model, template)
+    parts = _template_field(model, model.fence_name)  # type: ignore[arg-type]
     if parts is None:
         return None
     prefix, suffix, field = parts
@@ -263,6 +299,8 @@ def _filter_fence(
     conditions = Q(fence_token__lte=lease.token)
     if name_test.q is not None:
         conditions &= name_test.q
+    if name_test.after is not None:
+        conditions &= name_test.after
     if holds is not None:
         conditions &= Q(holds)
     for condition in more:
@@ -281,11 +319,14 @@ class _NameTest(NamedTuple):
 
     column: tuple[Any, int | str] | None
     q: Q | None
+    #: For an update that assigns fields of the name: the rows' name *after* it is also the
+    #: lease's (see :func:`_name_after`), so no write moves a row to another lock.
+    after: Q | None = None
 
     @property
     def direct(self) -> bool:
         """True if :func:`_with_fence` can carry it (one column, or no condition at all)."""
-        return self.column is not None or self.q is None
+        return self.after is None and (self.column is not None or self.q is None)
 
 
 def _name_test(model: type[FencedModel], name: str, *, required: bool) -> _NameTest:
@@ -312,6 +353,135 @@ def _name_test(model: type[FencedModel], name: str, *, required: bool) -> _NameT
             raise
         return _NameTest(None, None)
     return _NameTest(None, None if expression is None else Q(_SameName(expression, name)))
+
+
+def _columns_read(expression: Any) -> set[str] | None:
+    """Names of the model's columns that ``expression`` reads (``F("a") + 1``: {"a"});
+    None if it may read more than its tree shows (a subquery, which can read any row, or
+    raw SQL)."""
+    names: set[str] = set()
+    stack = [expression]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, F):
+            names.add(node.name.split(LOOKUP_SEP, 1)[0])
+        elif isinstance(node, models.QuerySet | RawSQL) or getattr(node, "subquery", False):
+            return None
+        elif isinstance(node, Q):
+            for child in node.children:
+                if isinstance(child, tuple):
+                    names.add(child[0].split(LOOKUP_SEP, 1)[0])
+                    stack.append(child[1])
+                else:
+                    stack.append(child)
+        elif hasattr(node, "get_source_expressions"):
+            stack.extend(part for part in node.get_source_expressions() if part is not None)
+    return names
+
+
+def _uses_template(model: type[FencedModel]) -> bool:
+    """True if the model's names come from ``fence_name`` alone (no overridden SQL form)."""
+    own = FencedModel.get_fence_name_expression.__func__  # type: ignore[attr-defined]
+    return (
+        model.fence_name is not None
+        and model.get_fence_name_expression.__func__ is own  # type: ignore[attr-defined]
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _name_fields(model: type[FencedModel]) -> frozenset[Any] | None:
+    """The concrete fields the rows' lock names are built from; None when that cannot be
+    told (get_fence_name() without an SQL form, or a form with a subquery)."""
+    if _uses_template(model):
+        names = [name for _, name in parse_fence_name(model.fence_name) if name is not None]
+        return frozenset(_resolve(model, name) for name in names)
+    try:
+        expression = model.get_fence_name_expression()
+    except NotImplementedError:
+        return None
+    read = set() if expression is None else _columns_read(expression)
+    if read is None:
+        return None
+    try:
+        return frozenset(_resolve(model, name) for name in read)
+    except FieldDoesNotExist:
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _name_keys(model: type[FencedModel]) -> frozenset[str]:
+    """The names and attnames of :func:`_name_fields` (how a change may spell them)."""
+    fields = _name_fields(model) or ()
+    return frozenset(f.name for f in fields) | frozenset(f.attname for f in fields)
+
+
+def _refuse_move(model: type[models.Model], lease: Lease, why: str) -> None:
+    raise ValueError(
+        f"lease for lock {lease.name!r} cannot move rows of {model._meta.label} to another "
+        f"lock: {why}"
+    )
+
+
+def _name_after(
+    model: type[FencedModel], lease: Lease, assigned: dict[Any, Any], *, written: Iterable[Any],
+) -> Q | None:
+    """The WHERE condition "the row's lock name after this UPDATE is the lease's".
+
+    ``assigned`` maps each field of the name that the UPDATE sets to its new value (a
+    value as stored, or an expression); ``written`` is every column the UPDATE sets. None
+    when no condition is needed: nothing of the name changes, or every field of a
+    template gets a value and the new name is the lease's (then decided here, in Python,
+    and a different one raises ValueError before any SQL). An expression is checked in
+    SQL: the name expression with the expression in the field's place must equal the
+    lease's name, row by row, evaluated on the row as it was (as the UPDATE's SET is).
+    """
+    if not assigned:
+        return None
+    fields = _name_fields(model)
+    if fields is None:
+        _refuse_move(model, lease, (
+            "distlock cannot tell which columns make its lock names, so it cannot check "
+            "that this update keeps them"
+        ))
+    written = set(written)
+    for field, value in assigned.items():
+        if not hasattr(value, "resolve_expression"):
+            continue
+        read = _columns_read(value)
+        if read is None:
+            _refuse_move(model, lease, (
+                f"{field.name!r} is set to a subquery or raw SQL; the lock name's fields "
+                "take values or expressions over the row's own columns"
+            ))
+        try:
+            others = {_resolve(model, name) for name in read} - {field}
+        except FieldDoesNotExist:
+            others = set(written)
+        if others & written:
+            # MariaDB and MySQL evaluate SET left to right: the new name could depend on
+            # a column this UPDATE has already changed, unlike in the WHERE.
+            _refuse_move(model, lease, (
+                f"{field.name!r} is set to an expression over columns this update also "
+                "changes"
+            ))
+    if _uses_template(model) and set(assigned) == fields and not any(
+        hasattr(value, "resolve_expression") for value in assigned.values()
+    ):
+        values = {
+            name: assigned[_resolve(model, name)]
+            for _, name in parse_fence_name(model.fence_name) if name is not None
+        }
+        new = model.fence_name.format(**values)  # type: ignore[union-attr]
+        if new != lease.name:
+            _refuse_move(model, lease, f"the update would give them lock {new!r}")
+        return None
+    replacements: dict[Any, Any] = {}
+    for field, value in assigned.items():
+        if not hasattr(value, "resolve_expression"):
+            value = Value(value, output_field=field)
+        replacements[F(field.attname)] = replacements[F(field.name)] = value
+    expression = model.get_fence_name_expression()
+    return Q(_SameName(expression.replace_expressions(replacements), lease.name))
 
 
 def _constant_name(model: type[FencedModel]) -> str | None:
@@ -553,6 +723,39 @@ class FencedQuerySet(models.QuerySet[M]):
             raise ValueError(f"{FENCE_FIELD} is written only by fenced writes")
         return super().bulk_update(objs, fields, *args, **kwargs)
 
+    def bulk_create(
+        self, objs: Iterable[M], batch_size: int | None = None, ignore_conflicts: bool = False,
+        update_conflicts: bool = False, update_fields: Iterable[str] | None = None,
+        unique_fields: Iterable[str] | None = None,
+    ) -> list[M]:
+        """Plain, unfenced bulk_create. Refuses ``update_conflicts`` that would write
+        ``fence_token`` of existing rows (an upsert is an UPDATE of them)."""
+        if update_fields is not None:
+            update_fields = list(update_fields)
+            if update_conflicts and FENCE_FIELD in update_fields:
+                raise ValueError(
+                    f"{FENCE_FIELD} is written only by fenced writes; leave it out of "
+                    "bulk_create(update_conflicts=True, update_fields=...)"
+                )
+        return super().bulk_create(
+            objs, batch_size=batch_size, ignore_conflicts=ignore_conflicts,
+            update_conflicts=update_conflicts, update_fields=update_fields,
+            unique_fields=unique_fields,
+        )
+
+    def update_or_create(
+        self, defaults: Any = None, create_defaults: Any = None, **kwargs: Any,
+    ) -> tuple[M, bool]:
+        """Plain, unfenced update_or_create. Refuses ``fence_token`` in ``defaults``."""
+        if defaults and FENCE_FIELD in defaults:
+            raise ValueError(
+                f"{FENCE_FIELD} is written only by fenced writes; leave it out of "
+                "update_or_create(defaults=...)"
+            )
+        return super().update_or_create(
+            defaults=defaults, create_defaults=create_defaults, **kwargs
+        )
+
     def _fence_target(self, lease: Lease, changes: Iterable[str]) -> _NameTest:
         model = self.model
         local = _local_columns(model)
@@ -582,18 +785,37 @@ class FencedQuerySet(models.QuerySet[M]):
         One conditional UPDATE (``fence_token <= lease.token`` and the row's lock name)
         sets ``fence_token`` to the lease's token, after the ownership check. All or
         nothing: if any row holds a newer token the whole update is rolled back and
-        StaleToken is raised; if any row belongs to another lock, ValueError.
+        StaleToken is raised; if any row belongs to another lock, or would after the
+        update (``changes`` to fields of the lock name: a value is compared before any
+        SQL, an expression in the UPDATE's WHERE), ValueError.
         """
         lease = _check_lease(lease)
         if FENCE_FIELD in changes:
             raise ValueError(f"fenced_update() sets {FENCE_FIELD} itself")
         same_name = self._fence_target(lease, changes)
+        same_name = same_name._replace(after=self._name_after(lease, changes))
 
         def write(folded: _LeaseHolds | None) -> int:
             return self._claim(lease, same_name, changes, folded)
 
         return _fenced(
             self.model, lease, self.db, write, self._row_token, "rows", one_statement=True
+        )
+
+    def _name_after(self, lease: Lease, changes: dict[str, Any]) -> Q | None:
+        """:func:`_name_after` for ``changes``: None, a WHERE condition, or ValueError."""
+        model = self.model
+        fields = _name_fields(model)
+        if fields is not None and not any(key in _name_keys(model) for key in changes):
+            return None  # the common case, without resolving every key
+        written = {_resolve(model, key): value for key, value in changes.items()}
+        assigned = {
+            field: value if hasattr(value, "resolve_expression")
+            else _stored_value(model, field, field.name, value)
+            for field, value in written.items() if fields is None or field in fields
+        }
+        return _name_after(
+            model, lease, assigned, written=[*written, model._meta.get_field(FENCE_FIELD)]
         )
 
     def fenced_delete(self, lease: Lease) -> tuple[int, dict[str, int]]:
@@ -629,7 +851,11 @@ class FencedQuerySet(models.QuerySet[M]):
         def skipped() -> Q:
             """The rows this queryset matches that the UPDATE would not write."""
             older = Q(fence_token__gt=token)
-            return older if same_name.q is None else older | ~same_name.q
+            if same_name.q is not None:
+                older |= ~same_name.q
+            if same_name.after is not None:
+                older |= ~same_name.after
+            return older
 
         pinned = _pinned(self.query)
         if folded is not None and pinned and same_name.direct:
@@ -645,6 +871,14 @@ class FencedQuerySet(models.QuerySet[M]):
         if self.filter(skipped()).exists():
             if self.filter(fence_token__gt=token).exists():
                 raise _Refused(by_owner_check=False)
+            if same_name.after is not None and (
+                same_name.q is None or not self.filter(~same_name.q).exists()
+            ):
+                raise _OtherLock(
+                    f"lease for lock {lease.name!r} cannot move rows of "
+                    f"{self.model._meta.label} to another lock: after this update some of "
+                    "them would be guarded by another lock"
+                )
             raise _OtherLock(
                 f"lease for lock {lease.name!r} cannot fence every row of this "
                 f"queryset: some rows of {self.model._meta.label} are guarded by "
@@ -667,6 +901,35 @@ class FencedQuerySet(models.QuerySet[M]):
 
 class FencedManager(models.Manager.from_queryset(FencedQuerySet)):  # type: ignore[misc]
     """The default manager of fenced models: ``fenced_update``/``fenced_create`` and co."""
+
+
+def is_fenced_manager(manager: object) -> bool:
+    """True if ``manager``'s querysets are FencedQuerySets (they refuse to set the token)."""
+    queryset_class = getattr(manager, "_queryset_class", None)
+    return isinstance(queryset_class, type) and issubclass(queryset_class, FencedQuerySet)
+
+
+def _fenced_base_manager(sender: type[models.Model], **kwargs: Any) -> None:
+    """On ``class_prepared``: a FencedModel's ``_base_manager`` is its default manager, when
+    that one is fenced and ``Meta.base_manager_name`` names none.
+
+    Django's base manager (related objects, ``refresh_from_db()``, the deletion collector)
+    is otherwise a plain Manager, whose ``update(fence_token=0)`` would lower the
+    high-water mark. Set here, not in ``FencedModel.Meta``: a child's own ``class Meta``
+    does not inherit that option, and as a Meta option it would add a migration to every
+    fenced model (migrations read Meta's own attributes, and they leave out a base
+    manager that is the default manager).
+    """
+    opts = sender._meta
+    if not issubclass(sender, FencedModel) or opts.abstract or opts.base_manager_name:
+        return
+    default = opts.default_manager
+    if default is not None and is_fenced_manager(default):
+        opts.base_manager_name = default.name
+        opts.__dict__.pop("base_manager", None)  # a cached_property, maybe computed already
+
+
+class_prepared.connect(_fenced_base_manager, dispatch_uid="distlock.fenced_base_manager")
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -711,7 +974,8 @@ class FencedModel(models.Model):
         values = {}
         for _, name in parse_fence_name(cls.fence_name):
             if name is not None:
-                values[name] = getattr(self, _resolve(cls, name).attname)
+                field = _resolve(cls, name)
+                values[name] = _stored_value(cls, field, name, getattr(self, field.attname))
         return cls.fence_name.format(**values)
 
     @classmethod
@@ -740,7 +1004,11 @@ class FencedModel(models.Model):
                     parts.append(Cast(F(field.attname), output_field=models.TextField()))
         if all(isinstance(part, Value) for part in parts):
             return None
-        return parts[0] if len(parts) == 1 else Concat(*parts)
+        if len(parts) == 1:
+            return parts[0]
+        # Text literals and CharField columns: without one output type Django refuses to
+        # mix them (FieldError "mixed types") wherever the expression is resolved.
+        return Concat(*parts, output_field=models.TextField())
 
     def _fence_depends_on_missing_pk(self) -> bool:
         cls = type(self)
@@ -763,8 +1031,10 @@ class FencedModel(models.Model):
         A new instance (or ``force_insert``) is inserted with ``fence_token`` = the
         lease's token; otherwise one conditional UPDATE writes the row, and matching no
         row raises StaleToken (nothing is written, the lease is marked lost). A lease of
-        another lock raises ValueError. Without ``fence`` this is Django's save, except
-        that ``fence_token`` is never written by an UPDATE.
+        another lock raises ValueError, as does a write that would leave the row under
+        another lock's name (an expression in a field of the name is refused). Without
+        ``fence`` this is Django's save, except that ``fence_token`` is never written by an
+        UPDATE.
         """
         if fence is None:
             super().save(*args, **kwargs)
@@ -784,6 +1054,12 @@ class FencedModel(models.Model):
         name_after_insert = self._fence_depends_on_missing_pk()
         if not name_after_insert:
             self._check_fence_name(lease)
+        else:
+            # The name waits for the new pk; its other fields must already be values.
+            pk = cls._meta.pk
+            for _, name in parse_fence_name(cls.fence_name):
+                if name is not None and (field := _resolve(cls, name)) is not pk:
+                    _stored_value(cls, field, name, getattr(self, field.attname))
         if adding:
             kwargs["force_insert"] = True
         elif kwargs.get("update_fields") is None:
@@ -844,7 +1120,10 @@ class FencedModel(models.Model):
                 base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
             )
         lease, folded = fence
-        same_name = _name_test(type(self), lease.name, required=False)
+        cls = type(self)
+        same_name = _name_test(cls, lease.name, required=False)
+        same_name = same_name._replace(after=self._name_after_save(lease, values, pk_val))
+        rows = base_qs
         if folded is not None and same_name.direct:
             # Django filters base_qs by the pk next: one row at most.
             base_qs = _with_fence(base_qs, lease, same_name.column, folded)
@@ -857,10 +1136,39 @@ class FencedModel(models.Model):
         if not updated:
             # Which condition failed only matters for the message and for marking the
             # lease lost; the statement already decided.
-            raise _Refused(
-                by_owner_check=folded is not None and not _lease_is_current(lease, using)
-            )
+            lost = folded is not None and not _lease_is_current(lease, using)
+            if not lost and same_name.after is not None and _filter_fence(
+                rows.filter(pk=pk_val), lease, same_name._replace(after=None), None
+            ).exists():
+                raise _OtherLock(
+                    f"lease for lock {lease.name!r} cannot save {cls._meta.label} "
+                    f"pk={pk_val!r}: with the fields it writes, the row would be guarded "
+                    "by another lock"
+                )
+            raise _Refused(by_owner_check=lost)
         return updated
+
+    def _name_after_save(self, lease: Lease, values: list[Any], pk_val: Any) -> Q | None:
+        """:func:`_name_after` for an UPDATE by save(): needed only when it writes some
+        fields of the name but not all (``update_fields``, deferred fields), as the name
+        then mixes the instance's values and the row's. The pk counts as written: the
+        UPDATE's WHERE pins it.
+        """
+        cls = type(self)
+        fields = _name_fields(cls)
+        if fields is None:
+            return None  # no SQL form: only the instance's name (checked) can be compared
+        written = {value[0]: value[2] for value in values}
+        if not any(field in fields for field in written):
+            return None  # the row keeps its stored name, which the UPDATE's WHERE compares
+        written[cls._meta.pk] = pk_val
+        of_name = [field for field in written if field in fields]
+        if len(of_name) == len(fields):
+            return None  # the instance's own name, already compared with the lease's
+        assigned = {
+            field: _stored_value(cls, field, field.name, written[field]) for field in of_name
+        }
+        return _name_after(cls, lease, assigned, written=written)
 
     def delete(
         self, using: str | None = None, keep_parents: bool = False, *,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import factory
 
-from tests.testapp.models import Account, Counter, Order
+from tests.testapp.models import Account, Counter, Order, Sheet, Slot
 
 
 class AccountFactory(factory.django.DjangoModelFactory):
@@ -30,3 +30,21 @@ class CounterFactory(factory.django.DjangoModelFactory):
 
     key = factory.Sequence(lambda n: f"counter-{n}")
     value = 0
+
+
+class SheetFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Sheet
+
+    book = "book"
+    tab = factory.Sequence(lambda n: f"tab-{n}")
+    body = ""
+
+
+class SlotFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Slot
+
+    day = factory.Sequence(lambda n: n + 1)
+    label = "am"
+    booked = 0

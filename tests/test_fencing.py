@@ -13,15 +13,17 @@ import signal
 import time
 
 import pytest
-from django.db import IntegrityError, connection, connections, transaction
-from django.db.models import F
+from django.db import IntegrityError, connection, connections, models, transaction
+from django.db.models import F, OuterRef, Subquery, Value
+from django.db.models.expressions import RawSQL
+from django.db.models.functions import Concat, Lower
 from django.test.utils import CaptureQueriesContext, isolate_apps
 
 from distlock import StaleToken, acquire, checks, signals
 from distlock.fencing import FencedModel
 from distlock.models import Lock
 from distlock.testing import hold_lock, make_stale, take_over
-from tests.factories import AccountFactory, OrderFactory
+from tests.factories import AccountFactory, OrderFactory, SheetFactory, SlotFactory
 from tests.testapp.models import (
     Account,
     Counter,
@@ -29,6 +31,8 @@ from tests.testapp.models import (
     HighWaterAccount,
     Ledger,
     Order,
+    Sheet,
+    Slot,
 )
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -464,6 +468,51 @@ def test_fenced_delete_and_fenced_create():
     assert count == 2
 
 
+def test_lock_name_is_spelled_from_the_values_as_stored():
+    """"07" in an IntegerField is stored as 7: the new row is customer 7's, not "customer:07"'s
+    (a lease may be taken for any string), in Python as in SQL."""
+    odd = acquire("customer:07", ttl=30)
+    with pytest.raises(ValueError, match="guarded by lock 'customer:7'"):
+        Order.objects.fenced_create(odd, customer_id="07")
+    assert not Order.objects.exists()
+    assert not odd.lost
+    lease = acquire("customer:7", ttl=30)
+    order = Order.objects.fenced_create(lease, customer_id="07", amount=1)
+    assert order.get_fence_name() == "customer:7"
+    assert Order.objects.filter(customer_id=7).fenced_update(lease, amount=2) == 1
+
+
+def test_save_refuses_an_expression_in_a_field_of_the_lock_name_before_any_sql():
+    """Its new name is known only in SQL, after the write: assign a value or use
+    fenced_update(), which checks the name of such a change in its WHERE."""
+    order = OrderFactory(customer_id=7, amount=1)
+    lease = acquire("customer:7", ttl=30)
+    order.customer_id = F("customer_id") + 1
+    with CaptureQueriesContext(connection) as captured, pytest.raises(
+        ValueError, match="'customer_id' is set to an expression"
+    ):
+        order.save(fence=lease)
+    assert captured.captured_queries == []
+    order.customer_id = 7
+    order.amount = F("amount") + 2  # other fields may be expressions, as in save()
+    order.save(fence=lease)
+    assert Order.objects.values_list("customer_id", "amount", "fence_token").get() == (
+        7, 3, lease.token
+    )
+
+
+def test_a_row_with_none_in_its_lock_name_has_no_name_and_is_refused():
+    """str.format would name it "customer:None", a name a lease can be taken for; SQL
+    gives such a row no name (E012 keeps NULL out of the columns of a name)."""
+    lease = acquire("customer:None", ttl=30)
+    with pytest.raises(ValueError, match="no lock name: its field 'customer_id' is None"):
+        Order(customer_id=None).get_fence_name()
+    with pytest.raises(ValueError, match="no lock name"):
+        Order.objects.fenced_create(lease, customer_id=None)
+    assert not Order.objects.exists()
+    assert not lease.lost
+
+
 def test_new_row_whose_name_needs_its_pk_is_checked_after_insert():
     # "account:{pk}" with an automatic pk: the name is known only after the INSERT.
     lease = acquire("account:not-a-number", ttl=30)
@@ -478,11 +527,71 @@ def test_lock_name_from_a_method_with_its_sql_form():
     document = Document.objects.create(folder="Reports")
     lease = acquire("folder/reports", ttl=30)
     assert Document.objects.filter(folder="Reports").fenced_update(lease, title="t") == 1
+    # Changes to the columns its SQL form reads are checked against that form.
+    with pytest.raises(ValueError, match="would be guarded by another lock"):
+        Document.objects.filter(folder="Reports").fenced_update(lease, folder="Plans")
+    assert Document.objects.filter(pk=document.pk).fenced_update(lease, folder="REPORTS") == 1
     document.refresh_from_db()
+    assert document.folder == "REPORTS"
     document.title = "u"
     document.save(fence=lease)
     document.delete(fence=lease)
     assert not Document.objects.exists()
+
+
+def test_multi_field_templates_write_on_every_backend():
+    """Two text columns, or an integer and a text column, in one lock name.
+
+    The SQL form is a Concat of text literals and columns; on PostgreSQL it once mixed
+    TextField and CharField and every fenced write raised FieldError.
+    """
+    sheet = SheetFactory(book="b", tab="t")
+    other = SheetFactory(book="b", tab="u")
+    slot = SlotFactory(day=3, label="am")
+    sheets = acquire("sheet:b:t", ttl=30)
+    slots = acquire("slot:3/am", ttl=30)
+    sheet.body = "saved"
+    sheet.save(fence=sheets)
+    slot.booked = 1
+    slot.save(fence=slots)
+    assert Sheet.objects.filter(book="b", tab="t").fenced_update(sheets, body="bulk") == 1
+    assert Slot.objects.filter(day=3).fenced_update(slots, booked=F("booked") + 1) == 1
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        Sheet.objects.filter(book="b").fenced_update(sheets, body="both")
+    assert Sheet.objects.fenced_create(sheets, book="b", tab="t").fence_token == sheets.token
+    assert Slot.objects.fenced_create(slots, day="3", label="am").fence_token == slots.token
+    assert list(Sheet.objects.order_by("pk").values_list("body", flat=True)) == [
+        "bulk", "", "",
+    ]
+    assert Slot.objects.get(pk=slot.pk).booked == 2
+    assert Sheet.objects.filter(tab="t").fenced_delete(sheets)[0] == 2
+    slot.delete(fence=slots)
+    assert list(Sheet.objects.values_list("pk", flat=True)) == [other.pk]
+    assert list(Slot.objects.values_list("day", "label")) == [(3, "am")]
+    assert not sheets.lost and not slots.lost
+
+
+def test_python_and_sql_lock_names_agree_for_multi_field_templates():
+    """get_fence_name() and get_fence_name_expression() name every row alike, also where
+    two rows share a name ("sheet:a:b:c" is book "a", tab "b:c" and book "a:b", tab "c")."""
+    rows = [
+        SheetFactory(book="a", tab="b:c"), SheetFactory(book="a:b", tab="c"),
+        SheetFactory(book="", tab="x"), SheetFactory(book="É ", tab="e\u0301"),
+        SlotFactory(day=-12, label="1"), SlotFactory(day=0, label=""),
+    ]
+    for model in (Sheet, Slot):
+        in_sql = dict(
+            model.objects.annotate(lock=model.get_fence_name_expression())
+            .values_list("pk", "lock")
+        )
+        assert in_sql == {
+            row.pk: row.get_fence_name() for row in rows if isinstance(row, model)
+        }
+    assert rows[0].get_fence_name() == rows[1].get_fence_name() == "sheet:a:b:c"
+    lease = acquire("sheet:a:b:c", ttl=30)
+    assert Sheet.objects.filter(pk__in=[rows[0].pk, rows[1].pk]).fenced_update(
+        lease, body="one lock"
+    ) == 2
 
 
 def test_fenced_write_joins_the_callers_transaction():
@@ -523,6 +632,43 @@ def test_plain_writes_are_allowed_and_never_lower_the_token():
     assert not Account.objects.filter(pk=account.pk).exists()
 
 
+def test_no_manager_or_bulk_path_writes_the_token():
+    """update(), bulk_update(), an upsert by bulk_create() and update_or_create() refuse
+    fence_token on the default manager and on _base_manager (Django's own, for related
+    objects and refresh_from_db(), which FencedModel makes its fenced default manager)."""
+    account = AccountFactory(balance=1)
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    account.save(fence=lease)
+    assert Account._base_manager.name == "objects"
+    upsert = {"update_conflicts": True}
+    if connection.features.supports_update_conflicts_with_target:
+        upsert["unique_fields"] = ["id"]
+    copy = Account(pk=account.pk, balance=5, fence_token=0)
+    before = rows_of(Account)
+    for manager in (Account.objects, Account._base_manager):
+        with CaptureQueriesContext(connection) as captured:
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.update(fence_token=0)
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.filter(pk=account.pk).update(fence_token=F("fence_token") - 1)
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.bulk_update([copy], ["balance", "fence_token"])
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.bulk_create([copy], update_fields=["balance", "fence_token"], **upsert)
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.update_or_create(pk=account.pk, defaults={"fence_token": 0})
+            with pytest.raises(ValueError, match="fence_token is written only"):
+                manager.update_or_create(pk=account.pk + 1, defaults={"fence_token": 0})
+        assert captured.captured_queries == []
+    assert rows_of(Account) == before
+    # The same calls without the token stay plain, unfenced writes.
+    Account._base_manager.bulk_create([copy], update_fields=["balance"], **upsert)
+    Account._base_manager.update_or_create(pk=account.pk, defaults={"note": "upsert"})
+    assert Account.objects.values_list("balance", "note", "fence_token").get() == (
+        5, "upsert", lease.token
+    )
+
+
 def test_moving_a_row_to_another_locks_name_is_refused():
     order = OrderFactory(customer_id=1)
     lease = acquire("customer:2", ttl=30)
@@ -531,6 +677,143 @@ def test_moving_a_row_to_another_locks_name_is_refused():
         order.save(fence=lease)
     assert Order.objects.get(pk=order.pk).customer_id == 1
     assert not lease.lost
+
+
+def rows_of(model) -> list[tuple]:
+    """Every row of ``model`` with every column, in pk order: "nothing changed" checks."""
+    return list(model.objects.order_by("pk").values_list())
+
+
+def test_fenced_update_cannot_move_rows_to_another_lock():
+    """customer:7's lease must not give its rows customer 8's name: customer:8's holder
+    would find its rows changed (and its own next write refused) though it held the lock.
+
+    A value is compared in Python before any SQL; an expression in the UPDATE's WHERE,
+    on the row as it was, so customer_id = F("customer_id") + 0 passes and + 1 does not.
+    """
+    eight = acquire("customer:8", ttl=30)  # older token than seven's
+    seven = acquire("customer:7", ttl=30)
+    OrderFactory.create_batch(2, customer_id=7, amount=1)
+    OrderFactory(customer_id=8, amount=1)
+    orders = Order.objects.filter(customer_id=7)
+    before = rows_of(Order)
+    with CaptureQueriesContext(connection) as captured, pytest.raises(
+        ValueError, match="would give them lock 'customer:8'"
+    ):
+        orders.fenced_update(seven, customer_id=8)
+    assert captured.captured_queries == []
+    with pytest.raises(ValueError, match="would be guarded by another lock"):
+        orders.fenced_update(seven, customer_id=F("customer_id") + 1, status="moved")
+    with pytest.raises(ValueError, match="columns this update also changes"):
+        orders.fenced_update(seven, customer_id=F("amount") + 6, amount=2)
+    same = Order.objects.filter(pk=OuterRef("pk")).values("customer_id")[:1]
+    for unknowable in (Subquery(same), RawSQL("customer_id", [])):
+        with pytest.raises(ValueError, match="subquery or raw SQL"):
+            orders.fenced_update(seven, customer_id=unknowable)
+    assert rows_of(Order) == before
+    assert orders.fenced_update(seven, customer_id=F("customer_id") + 0) == 2
+    assert orders.fenced_update(seven, customer_id="7", status="same") == 2
+    assert orders.fenced_update(seven, customer_id=F("amount") + 6) == 2  # 1 + 6: still 7
+    assert Order.objects.filter(customer_id=8).fenced_update(eight, status="mine") == 1
+    assert not seven.lost and not eight.lost
+    assert sorted(Order.objects.values_list("customer_id", "status")) == [
+        (7, "same"), (7, "same"), (8, "mine"),
+    ]
+
+
+def test_fenced_update_cannot_change_the_pk_in_a_lock_name():
+    account = AccountFactory()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    rows = Account.objects.filter(pk=account.pk)
+    with pytest.raises(ValueError, match=f"would give them lock 'account:{account.pk + 100}'"):
+        rows.fenced_update(lease, id=account.pk + 100)
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        rows.fenced_update(lease, id=F("id") + 100)
+    assert rows.fenced_update(lease, id=account.pk, balance=1) == 1
+    assert list(Account.objects.values_list("pk", "balance")) == [(account.pk, 1)]
+
+
+def test_fenced_update_of_one_field_of_a_multi_field_name_is_checked_in_sql():
+    """With "sheet:{book}:{tab}" the new name mixes the new book and each row's tab."""
+    SheetFactory(book="a", tab="b")
+    lease = acquire("sheet:a:b", ttl=30)
+    rows = Sheet.objects.filter(tab="b")
+    before = rows_of(Sheet)
+    for changes in (
+        {"book": "x"}, {"book": Concat(F("book"), Value("x"))}, {"tab": F("book")},
+    ):
+        with pytest.raises(ValueError, match="would be guarded by another lock"):
+            rows.fenced_update(lease, **changes)
+    with pytest.raises(ValueError, match="would give them lock 'sheet:a:b:'"):
+        rows.fenced_update(lease, book="a:b", tab="")
+    assert rows_of(Sheet) == before
+    assert rows.fenced_update(lease, book="a", body="1") == 1
+    assert rows.fenced_update(lease, book=Lower("book"), body="2") == 1
+    assert Sheet.objects.values_list("book", "tab", "body").get() == ("a", "b", "2")
+    assert not lease.lost
+
+
+def test_fenced_save_cannot_move_a_row_with_some_fields_of_its_name():
+    """The instance's name is the lease's, the stored row's too, yet writing only
+    ``book`` would leave the row named "sheet:x:y:y:z": refused by the UPDATE's WHERE."""
+    sheet = SheetFactory(book="x", tab="y:z")
+    lease = acquire("sheet:x:y:z", ttl=30)
+    sheet.book, sheet.tab = "x:y", "z"
+    assert sheet.get_fence_name() == lease.name
+    before = rows_of(Sheet)
+    with pytest.raises(ValueError, match="would be guarded by another lock"):
+        sheet.save(fence=lease, update_fields=["book"])
+    assert rows_of(Sheet) == before
+    deferred = Sheet.objects.only("book").get()  # saving writes only the loaded fields
+    deferred.book = "x:y"  # its name reads the stored tab: "sheet:x:y:y:z"
+    with pytest.raises(ValueError, match="guarded by lock 'sheet:x:y:y:z'"):
+        deferred.save(fence=lease)
+    assert rows_of(Sheet) == before
+    sheet.save(fence=lease)  # every field: the row keeps its lock name
+    assert Sheet.objects.values_list("book", "tab").get() == ("x:y", "z")
+    assert not lease.lost
+
+
+def test_fenced_save_with_a_changed_pk_writes_that_row_and_never_copies():
+    """Django's save() inserts a copy when no row has the new pk; a fenced save is an
+    UPDATE of the row with that pk (refused if it is another lock's, StaleToken if none)."""
+    order, other = OrderFactory(customer_id=7), OrderFactory(customer_id=8)
+    lease = acquire("customer:7", ttl=30)
+    before = rows_of(Order)
+    order.pk = other.pk
+    with pytest.raises(ValueError, match="as stored is guarded by another lock"):
+        order.save(fence=lease)
+    order.pk = other.pk + 1000
+    with pytest.raises(StaleToken, match="the row no longer exists"):
+        order.save(fence=lease)
+    assert rows_of(Order) == before
+    account = AccountFactory()
+    moved = acquire(f"account:{account.pk + 1000}", ttl=30)
+    account.pk += 1000
+    with pytest.raises(StaleToken, match="the row no longer exists"):
+        account.save(fence=moved)
+    assert list(Account.objects.values_list("pk", flat=True)) == [account.pk - 1000]
+
+
+def test_fenced_delete_and_create_refuse_rows_of_another_lock():
+    order = OrderFactory(customer_id=7)
+    OrderFactory(customer_id=8)
+    seven, eight = acquire("customer:7", ttl=30), acquire("customer:8", ttl=30)
+    before = rows_of(Order)
+    order.customer_id = 8
+    with pytest.raises(ValueError, match="guarded by lock 'customer:8'"):
+        order.delete(fence=seven)
+    with pytest.raises(ValueError, match="as stored is guarded by another lock"):
+        order.delete(fence=eight)
+    with pytest.raises(ValueError, match="guarded by another lock"):
+        Order.objects.all().fenced_delete(seven)
+    with pytest.raises(ValueError, match="guarded by lock 'customer:8'"):
+        Order.objects.fenced_create(seven, customer_id=8)
+    with pytest.raises(ValueError, match="guarded by lock 'sheet:a:b'"):
+        Sheet.objects.fenced_create(acquire("sheet:a:b:", ttl=30), book="a", tab="b")
+    assert rows_of(Order) == before
+    assert not Sheet.objects.exists()
+    assert not seven.lost and not eight.lost
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "locks"])
@@ -703,11 +986,47 @@ def test_check_reports_models_without_a_usable_fence_name():
             class Meta:
                 app_label = "testapp"
 
+        class NullableText(FencedModel):
+            fence_name = "x:{a}:{b}"
+            a = models.CharField(max_length=5, null=True)
+            b = models.CharField(max_length=5)
+
+            class Meta:
+                app_label = "testapp"
+
+        class NullableNumber(FencedModel):
+            fence_name = "x:{n}"
+            n = models.IntegerField(null=True)
+
+            class Meta:
+                app_label = "testapp"
+
+        class PlainManager(FencedModel):
+            fence_name = "x:{pk}"
+            objects = models.Manager()
+
+            class Meta:
+                app_label = "testapp"
+
+        class OwnMeta(FencedModel):
+            fence_name = "x:{pk}"
+
+            class Meta:  # not FencedModel.Meta's child: the base manager is set anyway
+                app_label = "testapp"
+                ordering = ["pk"]
+
         found = checks.check_fenced_models(registry.get_app_configs())
     assert sorted((m.obj.__name__, m.id) for m in found) == [
         ("BadField", "distlock.E011"), ("BadSpec", "distlock.E011"),
-        ("NoName", "distlock.E010"),
+        ("NoName", "distlock.E010"), ("NullableNumber", "distlock.E012"),
+        ("NullableText", "distlock.E012"), ("PlainManager", "distlock.W010"),
+        ("PlainManager", "distlock.W010"),
     ]
+    assert sorted(m.msg.split(" ")[0] for m in found if m.id == "distlock.W010") == [
+        "testapp.PlainManager._base_manager", "testapp.PlainManager.objects",
+    ]
+    assert OwnMeta._base_manager.name == "objects"
+    assert "field 'a'" in next(m.msg for m in found if m.obj is NullableText)
     assert checks.check_fenced_models() == []
     assert checks.check_fenced_models in registry_checks()
 

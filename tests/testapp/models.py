@@ -71,3 +71,27 @@ class Document(FencedModel):
         from django.db.models.functions import Concat, Lower
 
         return Concat(Value("folder/"), Lower(F("folder")))
+
+
+class Sheet(FencedModel):
+    """A lock name over two text columns: every sheet of a tab shares the tab's lock.
+
+    Names built from two fields can collide across rows ("sheet:a:b:c" is book "a", tab
+    "b:c" and book "a:b", tab "c"); both rows are then guarded by that one lock.
+    """
+
+    fence_name = "sheet:{book}:{tab}"
+
+    book = models.CharField(max_length=50)
+    tab = models.CharField(max_length=50)
+    body = models.CharField(max_length=100, blank=True, default="")
+
+
+class Slot(FencedModel):
+    """A lock name over an integer and a text column."""
+
+    fence_name = "slot:{day}/{label}"
+
+    day = models.IntegerField()
+    label = models.CharField(max_length=50)
+    booked = models.IntegerField(default=0)
