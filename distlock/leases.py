@@ -175,12 +175,13 @@ class Lease:
         # row lock, so taking it here would wait for this thread's own transaction.
         if self._released:
             return False
+        # Read first: if the database cannot be reached, nothing has changed yet.
+        held = db.run(self.using, db.holds, self.name, self.owner, self.token)
         self._released = True
         # Stopped but not joined, for the same reason; the helper joins it.
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
             renewer.stopped.set()
-        held = db.run(self.using, db.holds, self.name, self.owner, self.token)
         helper = _DeferredRelease(self, renewer)
         helper.start()
         for note in notes:
