@@ -619,10 +619,8 @@ def _pinned(query: Any) -> list[tuple[Any, Any]]:
 def _lease_is_current(lease: Lease, using: str) -> bool:
     """After a folded write matched nothing: did the ownership check fail? (message only)"""
     connection = connections[using]
-    sql = owner_check_sql(connection).removesuffix(_share_lock(connection))
     with connection.cursor() as cursor:
-        cursor.execute(sql, [lease.name, lease.owner, lease.token])
-        return cursor.fetchone() is not None
+        return db.holds(connection, cursor, lease.name, lease.owner, lease.token)
 
 
 def _current_grant(lease: Lease) -> str:

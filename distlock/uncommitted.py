@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock import db
 from distlock.exceptions import TransactionNotAllowed
 
 
@@ -53,7 +54,7 @@ class Note:
             return connection.in_atomic_block and any(
                 entry[1] is self.marker for entry in connection.run_on_commit
             )
-        return connection.connection is not None and not connection.autocommit
+        return db.in_transaction(connection)
 
 
 class _Notes(threading.local):
