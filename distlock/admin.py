@@ -28,8 +28,9 @@ from django.utils.translation import gettext
 from distlock.conf import conf
 from distlock.exceptions import TransactionNotAllowed
 from distlock.locks import break_lock
-from distlock.models import Lock, LockEvent, from_us
+from distlock.models import Lock, LockEvent
 from distlock.status import EXPIRED, FREE, HELD, database_now, relative, with_state
+from distlock.times import from_us
 from distlock.validation import check_name, check_owner, check_token
 
 _BADGE_COLOURS = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.db import router
@@ -75,9 +76,8 @@ class Settings:
         """The alias of the lock table's database."""
         alias = self.DATABASE
         if alias is None:
-            from distlock.models import Lock
-
-            alias = router.db_for_write(Lock) or "default"
+            # Looked up in the app registry, not imported: settings know nothing of models.
+            alias = router.db_for_write(apps.get_model("distlock", "Lock")) or "default"
         return alias
 
 

@@ -21,10 +21,10 @@ from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.conf import conf
+from distlock.constants import LOCK_TABLE as TABLE
+from distlock.constants import MAX_TOKEN
 from distlock.exceptions import TokenExhausted, TransactionNotAllowed
-from distlock.validation import MAX_TOKEN
 
-TABLE = "distlock_lock"
 # Serialization failures and deadlocks abort the whole transaction: safe to run it again.
 RETRIES = 5
 _RETRY_SQLSTATES = {"40001", "40P01"}
@@ -190,6 +190,20 @@ def join_manual_transaction(connection: BaseDatabaseWrapper) -> None:
         mode = getattr(connection, "transaction_mode", None) or "DEFERRED"
         with connection.cursor() as cursor:
             cursor.execute(f"BEGIN {mode}")
+
+
+def same_database(alias: str, other: str) -> bool:
+    """True if two aliases reach the same physical database (so one transaction sees both).
+
+    Compared by ENGINE, NAME, HOST and PORT: two spellings of one server (a socket and
+    127.0.0.1) count as different, which only skips the ownership check, never wrongly
+    runs it against a database that has no lock table.
+    """
+    if alias == other:
+        return True
+    a, b = connections[alias].settings_dict, connections[other].settings_dict
+    keys = ("ENGINE", "NAME", "HOST", "PORT")
+    return all(str(a.get(key) or "") == str(b.get(key) or "") for key in keys)
 
 
 def refuse_atomic(connection: BaseDatabaseWrapper) -> None:

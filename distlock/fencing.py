@@ -34,6 +34,7 @@ import string
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
+from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
 from django.db import connections, models, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -46,6 +47,7 @@ from django.db.models.signals import class_prepared
 from django.db.models.sql.where import AND
 
 from distlock import db, signals, uncommitted
+from distlock.constants import FENCE_FIELD, LOCK_TABLE
 from distlock.exceptions import StaleToken
 
 if TYPE_CHECKING:
@@ -55,7 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FENCE_FIELD", "FencedManager", "FencedModel", "FencedQuerySet"]
 
-FENCE_FIELD = "fence_token"
 T = TypeVar("T")
 M = TypeVar("M", bound="FencedModel")
 
@@ -520,20 +521,6 @@ def _check_lease(lease: object) -> Lease:
     return lease
 
 
-def same_database(alias: str, other: str) -> bool:
-    """True if two aliases reach the same physical database (so one transaction sees both).
-
-    Compared by ENGINE, NAME, HOST and PORT: two spellings of one server (a socket and
-    127.0.0.1) count as different, which only skips the ownership check, never wrongly
-    runs it against a database that has no lock table.
-    """
-    if alias == other:
-        return True
-    a, b = connections[alias].settings_dict, connections[other].settings_dict
-    keys = ("ENGINE", "NAME", "HOST", "PORT")
-    return all(str(a.get(key) or "") == str(b.get(key) or "") for key in keys)
-
-
 def _share_lock(connection: BaseDatabaseWrapper) -> str:
     # FOR SHARE conflicts with the FOR UPDATE of acquire, renew, release and break, so they
     # wait for the write to commit. SQLite's IMMEDIATE transaction holds the whole file.
@@ -547,7 +534,7 @@ def _share_lock(connection: BaseDatabaseWrapper) -> str:
 def owner_check_sql(connection: BaseDatabaseWrapper) -> str:
     """The locking read that proves, inside the writing transaction, the lease is current."""
     return (
-        f"SELECT 1 FROM {db.TABLE} WHERE name = %s AND owner = %s AND token = %s "
+        f"SELECT 1 FROM {LOCK_TABLE} WHERE name = %s AND owner = %s AND token = %s "
         f"AND expires_us > {db.now_sql(connection)}{_share_lock(connection)}"
     )
 
@@ -594,7 +581,7 @@ def _folded_check(model: type[FencedModel], lease: Lease, using: str) -> _LeaseH
     if (
         connection.vendor != "postgresql"
         or not connection.get_autocommit()
-        or not (model.fence_check_ownership and same_database(using, lease.using))
+        or not (model.fence_check_ownership and db.same_database(using, lease.using))
     ):
         return None
     return _LeaseHolds(lease.name, lease.owner, lease.token)
@@ -625,10 +612,8 @@ def _lease_is_current(lease: Lease, using: str) -> bool:
 
 def _current_grant(lease: Lease) -> str:
     """A few words on who holds the lock now, for the StaleToken message."""
-    from distlock.models import Lock
-
     row = (
-        Lock.objects.using(lease.using).filter(name=lease.name)
+        apps.get_model("distlock", "Lock").objects.using(lease.using).filter(name=lease.name)
         .values_list("token", "owner").first()
     )
     if row is None:
@@ -656,7 +641,7 @@ def _fenced(
     message only: the decision was the database's).
     """
     folded = _folded_check(model, lease, using) if one_statement else None
-    checked = folded is None and model.fence_check_ownership and same_database(
+    checked = folded is None and model.fence_check_ownership and db.same_database(
         using, lease.using
     )
     # The check's row lock outlives this call when the caller's transaction goes on.

@@ -15,7 +15,7 @@ from django.db import connections, transaction
 from distlock import db, signals, uncommitted
 from distlock.conf import conf
 from distlock.exceptions import LockLost
-from distlock.models import from_us
+from distlock.times import from_us
 from distlock.validation import check_name, check_owner, check_token, check_ttl, check_using
 
 logger = logging.getLogger("distlock")

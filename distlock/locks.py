@@ -24,7 +24,7 @@ from distlock import db, signals, uncommitted
 from distlock.conf import conf
 from distlock.exceptions import LockTimeout
 from distlock.leases import Lease, LostCallback, logger
-from distlock.models import from_us
+from distlock.times import from_us
 from distlock.validation import (
     MAX_NAME_LENGTH,
     Seconds,

@@ -8,20 +8,20 @@ timestamps and MariaDB's session time zones would not.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.validation import MAX_NAME_LENGTH
-
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def from_us(value: int | None) -> datetime | None:
-    """Turn database microseconds into an aware UTC datetime."""
-    return None if value is None else EPOCH + timedelta(microseconds=value)
+from distlock.constants import (
+    EVENT_TABLE,
+    HOLDER_LENGTH,
+    LOCK_TABLE,
+    MAX_NAME_LENGTH,
+    OWNER_LENGTH,
+)
+from distlock.times import from_us
 
 
 class LockNameField(models.CharField):
@@ -51,11 +51,11 @@ class Lock(models.Model):
     name = LockNameField(max_length=MAX_NAME_LENGTH, primary_key=True)
     token = models.BigIntegerField(default=0, editable=False)
     owner = models.CharField(
-        max_length=32, blank=True, default="", editable=False,
+        max_length=OWNER_LENGTH, blank=True, default="", editable=False,
         help_text="Random id of the current grant; empty when the lock is free.",
     )
     holder = models.CharField(
-        max_length=255, blank=True, default="", editable=False,
+        max_length=HOLDER_LENGTH, blank=True, default="", editable=False,
         help_text="Who holds it, for people: host, pid, thread, task.",
     )
     acquired_us = models.BigIntegerField(null=True, editable=False)
@@ -67,7 +67,7 @@ class Lock(models.Model):
     renew_count = models.IntegerField(default=0, editable=False)
 
     class Meta:
-        db_table = "distlock_lock"
+        db_table = LOCK_TABLE
         ordering = ["name"]
         permissions = [("break_lock", "Can break locks held by others")]
 
@@ -111,16 +111,16 @@ class LockEvent(models.Model):
     kind = models.CharField(max_length=16, choices=Kind.choices, editable=False)
     name = LockNameField(max_length=MAX_NAME_LENGTH, db_index=True, editable=False)
     token = models.BigIntegerField(null=True, editable=False)
-    owner = models.CharField(max_length=32, blank=True, default="", editable=False)
-    holder = models.CharField(max_length=255, blank=True, default="", editable=False)
+    owner = models.CharField(max_length=OWNER_LENGTH, blank=True, default="", editable=False)
+    holder = models.CharField(max_length=HOLDER_LENGTH, blank=True, default="", editable=False)
     by = models.CharField(
-        max_length=255, blank=True, default="", editable=False,
+        max_length=HOLDER_LENGTH, blank=True, default="", editable=False,
         help_text="Who broke the lock (user name or command), for broken locks.",
     )
     detail = models.CharField(max_length=500, blank=True, default="", editable=False)
 
     class Meta:
-        db_table = "distlock_lockevent"
+        db_table = EVENT_TABLE
         ordering = ["-at_us", "-id"]
         verbose_name = "lock event"
 

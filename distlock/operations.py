@@ -20,7 +20,7 @@ from typing import Any
 
 from django.db.migrations.operations.base import Operation
 
-from distlock.fencing import FENCE_FIELD
+from distlock.constants import FENCE_FIELD
 
 FUNCTION = "distlock_refuse_lower_fence_token"
 

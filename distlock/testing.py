@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from distlock import db
+from distlock.constants import LOCK_TABLE
 from distlock.leases import Lease
 from distlock.locks import acquire
 from distlock.validation import Seconds
@@ -40,7 +41,7 @@ def hold_lock(
 
 def _expire(connection: Any, cursor: Any, name: str, owner: str, token: int) -> int:
     cursor.execute(
-        f"UPDATE {db.TABLE} SET expires_us = {db.now_sql(connection)} "
+        f"UPDATE {LOCK_TABLE} SET expires_us = {db.now_sql(connection)} "
         "WHERE name = %s AND owner = %s AND token = %s",
         [name, owner, token],
     )

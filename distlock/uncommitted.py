@@ -94,14 +94,12 @@ def holding(name: str | None, lock_alias: str) -> list[Note]:
     database, whose row locks a statement on ``lock_alias`` would wait for."""
     if not _local.notes:
         return []
-    from distlock.fencing import same_database
-
     _local.notes = [n for n in _local.notes if n.open]
     return [
         note for note in _local.notes
         if (name is None or note.name == name)
         and note.connection.alias != lock_alias
-        and same_database(note.connection.alias, lock_alias)
+        and db.same_database(note.connection.alias, lock_alias)
     ]
 
 

@@ -12,13 +12,8 @@ from decimal import Decimal
 from django.conf import settings
 
 from distlock.conf import conf
+from distlock.constants import MAX_NAME_LENGTH, MAX_SECONDS, MAX_TOKEN, MIN_TTL, OWNER_LENGTH
 
-MAX_NAME_LENGTH = 255
-MAX_TOKEN = 2**63 - 1
-MIN_TTL = 0.001
-# The longest duration any argument may have, in seconds (about 31,700 years): as
-# microseconds it fits a signed 64-bit integer with room for a database time added to it.
-MAX_SECONDS = 10**12
 Seconds = float | int | Decimal | timedelta
 
 
@@ -157,6 +152,8 @@ def check_owner(owner: object) -> str:
     """Return ``owner`` if it has the shape distlock gives owners (32 hex digits)."""
     if not isinstance(owner, str):
         raise TypeError(f"owner must be a str, not {type(owner).__name__}")
-    if len(owner) != 32 or any(c not in "0123456789abcdef" for c in owner):
-        raise ValueError("owner must be the 32 lowercase hex digits distlock generated")
+    if len(owner) != OWNER_LENGTH or any(c not in "0123456789abcdef" for c in owner):
+        raise ValueError(
+            f"owner must be the {OWNER_LENGTH} lowercase hex digits distlock generated"
+        )
     return owner

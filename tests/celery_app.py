@@ -126,7 +126,7 @@ def wait_for_file(name: str, timeout: float = 60.0) -> bool:
 
 def _lease_event(kind: str, task: Any, key: str, lease: Any) -> None:
     from distlock import current_lease
-    from distlock.models import EPOCH
+    from distlock.times import EPOCH
 
     def us(moment: Any) -> int:
         delta = moment - EPOCH

@@ -59,6 +59,7 @@ def name_connections(worker: str) -> None:
 def weaken_clock(rng: random.Random) -> None:
     """Make this process's acquire use a stale clock (the self-test's weakened build)."""
     from distlock import db, locks
+    from distlock.constants import LOCK_TABLE
 
     real_now_sql = db.now_sql
     frozen = threading.local()
@@ -88,7 +89,7 @@ def weaken_clock(rng: random.Random) -> None:
         now = db.now_sql(connection)
         granted = db._update_returning(
             connection, cursor,
-            f"UPDATE {db.TABLE} SET token = token + 1, owner = %s, holder = %s, "
+            f"UPDATE {LOCK_TABLE} SET token = token + 1, owner = %s, holder = %s, "
             f"acquired_us = {now}, renewed_us = NULL, expires_us = {now} + %s, "
             f"renew_count = 0 WHERE name = %s AND (owner = '' OR expires_us <= {now})",
             [owner, holder, ttl_us, name],

@@ -24,7 +24,8 @@ from kombu import Exchange, Queue
 from distlock import acquire, current_lease
 from distlock.celery import LockContended, locked_task, visibility_timeout
 from distlock.db import db_now_us
-from distlock.models import EPOCH, Lock
+from distlock.models import Lock
+from distlock.times import EPOCH
 from tests.celery_app import (
     app,
     broker_url,

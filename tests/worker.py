@@ -26,7 +26,7 @@ def emit(event: str, **data: Any) -> None:
 
 
 def us(moment: datetime | None) -> int | None:
-    from distlock.models import EPOCH
+    from distlock.times import EPOCH
 
     if moment is None:
         return None

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from distlock.conf import conf
-from distlock.validation import MAX_SECONDS
+from distlock.constants import MAX_SECONDS
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")

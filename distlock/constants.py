@@ -1,0 +1,29 @@
+"""Fixed facts every other module shares: table and field names, sizes and limits.
+
+Plain values and nothing else, so any module (models, the SQL of the backends, argument
+checks, migrations' helpers) can import them without importing anything of distlock.
+"""
+
+from __future__ import annotations
+
+# The lock table and the audit history, as created by distlock's migrations.
+LOCK_TABLE = "distlock_lock"
+EVENT_TABLE = "distlock_lockevent"
+
+# The column every fenced model has: the highest fencing token that wrote the row.
+FENCE_FIELD = "fence_token"
+
+# Column sizes of the lock table: a name is its primary key; ``owner`` is a random id of
+# 32 hex digits; ``holder`` is a description for people, cut to fit where it is stored.
+MAX_NAME_LENGTH = 255
+OWNER_LENGTH = 32
+HOLDER_LENGTH = 255
+
+# Fencing tokens are signed 64-bit integers on every backend, starting at 1.
+MAX_TOKEN = 2**63 - 1
+
+# The shortest lease accepted, in seconds.
+MIN_TTL = 0.001
+# The longest duration any argument may have, in seconds (about 31,700 years): as
+# microseconds it fits a signed 64-bit integer with room for a database time added to it.
+MAX_SECONDS = 10**12

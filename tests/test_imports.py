@@ -1,0 +1,149 @@
+"""distlock's modules form no import cycle, and each one imports alone.
+
+A cycle makes the import order matter (a module sees a half-initialised one) and is
+usually hidden by an import inside a function: those count here too. Only imports under
+``if TYPE_CHECKING:`` are left out, since they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+PACKAGE = Path(__file__).resolve().parent.parent / "distlock"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if "migrations" in parts:
+            continue  # loaded by Django's migration loader, never imported by distlock
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The distlock modules that ``name`` imports, wherever in the file the import is."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if _is_type_checking(node.test):
+                for statement in node.orelse:
+                    self.visit(statement)
+            else:
+                self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            targets.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # "from distlock import db" imports distlock.db; "from distlock.db import run"
+            # imports distlock.db. The package distlock itself only counts when a name
+            # that is not a submodule is taken from it.
+            names = [f"{base}.{alias.name}" for alias in node.names]
+            submodules = [n for n in names if n in modules]
+            targets.update(submodules)
+            if len(submodules) < len(names) or base != "distlock":
+                targets.add(base)
+
+    Visitor().visit(ast.parse(path.read_text(), str(path)))
+    return {target for target in targets if target in modules and target != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_module_list_sees_the_package():
+    modules = _modules()
+    assert {"distlock", "distlock.conf", "distlock.models", "distlock.locks"} <= set(modules)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # The check below can only pass honestly if this one fails on a cycle.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_distlock():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles = _cycles(graph)
+    described = [
+        "; ".join(f"{m} -> {sorted(graph[m] & set(group))}" for m in group) for group in cycles
+    ]
+    assert cycles == [], described
+
+
+def test_settings_know_nothing_of_models():
+    modules = _modules()
+    assert _imports("distlock.conf", modules["distlock.conf"], modules) == set()
+    assert _imports("distlock.constants", modules["distlock.constants"], modules) == set()
+
+
+@pytest.mark.skipif(
+    connection.vendor != "sqlite", reason="the same on every database: run once, on SQLite"
+)
+def test_each_module_imports_alone_in_a_fresh_interpreter():
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    failed = {}
+    for name in _modules():
+        # The package itself must import before Django is set up (settings import it);
+        # the rest may need the app registry.
+        setup = "import django; django.setup(); " if name != "distlock" else ""
+        result = subprocess.run(
+            [sys.executable, "-c", f"{setup}import importlib; importlib.import_module({name!r})"],
+            cwd=PACKAGE.parent, env=env, capture_output=True, text=True, timeout=120,
+        )
+        if result.returncode != 0:
+            failed[name] = result.stderr.strip().splitlines()[-1:]
+    assert failed == {}
