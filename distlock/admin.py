@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
@@ -29,9 +29,24 @@ from distlock.conf import conf
 from distlock.exceptions import TransactionNotAllowed
 from distlock.locks import break_lock
 from distlock.models import Lock, LockEvent
-from distlock.status import EXPIRED, FREE, HELD, database_now, relative, with_state
+from distlock.status import (
+    EXPIRED,
+    FREE,
+    HELD,
+    LockWithState,
+    database_now,
+    relative,
+    with_state,
+)
 from distlock.times import from_us
 from distlock.validation import check_name, check_owner, check_token
+
+if TYPE_CHECKING:
+    # Generic in django-stubs only: Django's ModelAdmin cannot be subscripted at run time.
+    _LockAdminBase = admin.ModelAdmin[Lock]
+    _LockEventAdminBase = admin.ModelAdmin[LockEvent]
+else:
+    _LockAdminBase = _LockEventAdminBase = admin.ModelAdmin
 
 _BADGE_COLOURS = {
     HELD: "#1f7a1f",
@@ -56,7 +71,10 @@ def _badge(value: str, label: str | None = None) -> str:
 def _when(value: datetime | None) -> str:
     if value is None:
         return ""
-    return str(formats.localize(timezone.template_localtime(value)))
+    # template_localtime, as templates do: converts only when USE_TZ is on. Missing from
+    # django-stubs, hence the ignore.
+    local = timezone.template_localtime(value)  # type: ignore[attr-defined]
+    return str(formats.localize(local))
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -65,7 +83,9 @@ class StateFilter(admin.SimpleListFilter):
     title = "state"
     parameter_name = "state"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
         return [
             (HELD, "held"),
             (EXPIRED, "expired (not yet taken over)"),
@@ -79,7 +99,7 @@ class StateFilter(admin.SimpleListFilter):
 
 
 @admin.register(Lock)
-class LockAdmin(admin.ModelAdmin):
+class LockAdmin(_LockAdminBase):
     list_display = [
         "name", "state_badge", "holder", "short_owner", "token", "acquired", "expires",
         "renew_count",
@@ -88,26 +108,28 @@ class LockAdmin(admin.ModelAdmin):
     search_fields = ["name", "holder", "owner"]
     ordering = ["name"]
     actions = ["break_selected"]
-    fields = [
+    # Tuples: django-stubs types fields and readonly_fields differently, and only a tuple
+    # (immutable, so covariant) suits both.
+    fields = (
         "name", "state_badge", "holder", "owner", "token", "acquired", "renewed", "expires",
         "renew_count", "history",
-    ]
+    )
     readonly_fields = fields
     confirmation_template = "admin/distlock/lock/break_confirmation.html"
 
     # --- read-only table -------------------------------------------------------------
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Lock]:
+    def get_queryset(self, request: HttpRequest) -> QuerySet[LockWithState]:
         alias = conf.database()
         return with_state(super().get_queryset(request).using(alias), alias)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_change_permission(self, request: HttpRequest, obj: Lock | None = None) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_delete_permission(self, request: HttpRequest, obj: Lock | None = None) -> bool:
         # Also removes the bulk "delete selected" action, which requires this permission.
         return False
 
@@ -138,8 +160,8 @@ class LockAdmin(admin.ModelAdmin):
     # --- columns ---------------------------------------------------------------------
 
     @admin.display(description="state", ordering="state")
-    def state_badge(self, obj: Lock) -> str:
-        return _badge(obj.state)  # type: ignore[attr-defined]
+    def state_badge(self, obj: LockWithState) -> str:
+        return _badge(obj.state)
 
     @admin.display(description="owner", ordering="owner")
     def short_owner(self, obj: Lock) -> str:
@@ -154,14 +176,14 @@ class LockAdmin(admin.ModelAdmin):
         return _when(obj.renewed_at)
 
     @admin.display(description="expires", ordering="expires_us")
-    def expires(self, obj: Lock) -> str:
+    def expires(self, obj: LockWithState) -> str:
         # A free row's expires_us is its release time, not a deadline.
         if obj.is_free:
-            when = relative(obj.expires_us, obj.db_now_us)  # type: ignore[attr-defined]
+            when = relative(obj.expires_us, obj.db_now_us)
             return f"released {when}" if when else ""
         return format_html(
             "{} <span class=\"distlock-relative\">({})</span>", _when(obj.expires_at),
-            relative(obj.expires_us, obj.db_now_us),  # type: ignore[attr-defined]
+            relative(obj.expires_us, obj.db_now_us),
         )
 
     @admin.display(description="audit history")
@@ -175,7 +197,7 @@ class LockAdmin(admin.ModelAdmin):
 
     @admin.action(permissions=["break"], description="Break selected locks")
     def break_selected(
-        self, request: HttpRequest, queryset: QuerySet[Lock]
+        self, request: HttpRequest, queryset: QuerySet[LockWithState]
     ) -> HttpResponse | None:
         """Show what would be broken; on confirmation break exactly what was shown."""
         if request.POST.get("post") == "yes":
@@ -193,7 +215,7 @@ class LockAdmin(admin.ModelAdmin):
             "breakable": [
                 {
                     "lock": row,
-                    "expires": relative(row.expires_us, row.db_now_us),  # type: ignore[attr-defined]
+                    "expires": relative(row.expires_us, row.db_now_us),
                     "expect": json.dumps([row.name, row.owner, row.token]),
                 }
                 for row in breakable
@@ -251,7 +273,7 @@ class LockAdmin(admin.ModelAdmin):
             now = with_state(Lock.objects.using(alias).filter(name=name), alias).first()
             state = (
                 "it no longer exists" if now is None
-                else f"it is now {now.state} with token {now.token}"  # type: ignore[attr-defined]
+                else f"it is now {now.state} with token {now.token}"
             )
             self.message_user(
                 request,
@@ -270,7 +292,9 @@ class AgeFilter(admin.SimpleListFilter):
     parameter_name = "age"
     _SPANS = {"hour": 3600, "day": 86400, "week": 7 * 86400}
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
         return [("hour", "last hour"), ("day", "last 24 hours"), ("week", "last 7 days")]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -281,11 +305,11 @@ class AgeFilter(admin.SimpleListFilter):
 
 
 @admin.register(LockEvent)
-class LockEventAdmin(admin.ModelAdmin):
+class LockEventAdmin(_LockEventAdminBase):
     list_display = ["at", "kind_badge", "name", "token", "holder", "by", "detail"]
     list_filter = ["kind", AgeFilter]
     search_fields = ["name", "holder", "owner", "by"]
-    fields = ["at", "kind_badge", "name", "token", "owner", "holder", "by", "detail"]
+    fields = ("at", "kind_badge", "name", "token", "owner", "holder", "by", "detail")
     readonly_fields = fields
     list_per_page = 100
 
@@ -295,10 +319,14 @@ class LockEventAdmin(admin.ModelAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_change_permission(
+        self, request: HttpRequest, obj: LockEvent | None = None
+    ) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_delete_permission(
+        self, request: HttpRequest, obj: LockEvent | None = None
+    ) -> bool:
         return False
 
     @admin.display(description="at", ordering="at_us")

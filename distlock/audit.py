@@ -12,16 +12,22 @@ the caller an exception for a lock it actually holds. A failed insert is logged 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error
 from django.db import DatabaseError, transaction
+from django.dispatch import Signal
 
 from distlock import signals
 from distlock.conf import conf
 from distlock.status import database_now
 from distlock.validation import check_seconds, check_using
+
+if TYPE_CHECKING:
+    from distlock.leases import Lease
 
 logger = logging.getLogger("distlock.audit")
 
@@ -55,7 +61,7 @@ def record(
     return True
 
 
-def _acquired(sender: Any, lease: Any, took_over: str = "", **kwargs: Any) -> None:
+def _acquired(sender: type[Lease], lease: Lease, took_over: str = "", **kwargs: Any) -> None:
     from distlock.models import LockEvent
 
     if took_over:
@@ -68,7 +74,7 @@ def _acquired(sender: Any, lease: Any, took_over: str = "", **kwargs: Any) -> No
     )
 
 
-def _renewed(sender: Any, lease: Any, **kwargs: Any) -> None:
+def _renewed(sender: type[Lease], lease: Lease, **kwargs: Any) -> None:
     record(
         "renewed", name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
         holder=lease.holder, detail=f"expires {lease.expires_at.isoformat()}"
@@ -76,7 +82,7 @@ def _renewed(sender: Any, lease: Any, **kwargs: Any) -> None:
     )
 
 
-def _released(sender: Any, lease: Any, held: bool = True, **kwargs: Any) -> None:
+def _released(sender: type[Lease], lease: Lease, held: bool = True, **kwargs: Any) -> None:
     if lease.released_at is None:
         # The release changed nothing: the grant had been taken over or broken, which
         # the history already shows.
@@ -88,13 +94,13 @@ def _released(sender: Any, lease: Any, held: bool = True, **kwargs: Any) -> None
 
 
 def _broken(
-    sender: Any, name: str, owner: str, token: int, holder: str, using: str, by: str = "",
+    sender: None, name: str, owner: str, token: int, holder: str, using: str, by: str = "",
     **kwargs: Any,
 ) -> None:
     record("broken", name=name, using=using, token=token, owner=owner, holder=holder, by=by)
 
 
-def _lost(sender: Any, lease: Any, reason: str = "", **kwargs: Any) -> None:
+def _lost(sender: type[Lease], lease: Lease, reason: str = "", **kwargs: Any) -> None:
     record(
         "lost", name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
         holder=lease.holder, detail=reason,
@@ -102,7 +108,7 @@ def _lost(sender: Any, lease: Any, reason: str = "", **kwargs: Any) -> None:
 
 
 def _stale_write(
-    sender: Any, lease: Any, instance_token: int | None = None, **kwargs: Any
+    sender: object, lease: Lease, instance_token: int | None = None, **kwargs: Any
 ) -> None:
     model = getattr(getattr(sender, "_meta", None), "label", None) or repr(sender)
     row = "unknown" if instance_token is None else str(instance_token)
@@ -113,7 +119,7 @@ def _stale_write(
     )
 
 
-def _receivers() -> list[tuple[Any, Any, str]]:
+def _receivers() -> list[tuple[Signal, Callable[..., None], str]]:
     return [
         (signals.lock_acquired, _acquired, "acquired"),
         (signals.lock_renewed, _renewed, "renewed"),
@@ -187,7 +193,9 @@ def purge_events(
     return deleted
 
 
-def check_audit_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+def check_audit_settings(
+    app_configs: Sequence[AppConfig] | None = None, **kwargs: Any
+) -> list[CheckMessage]:
     """distlock.E020: DISTLOCK_AUDIT must be a bool; E021: retention must be valid."""
     errors: list[CheckMessage] = []
     if not isinstance(conf.AUDIT, bool):

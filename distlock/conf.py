@@ -74,7 +74,7 @@ class Settings:
 
     def database(self) -> str:
         """The alias of the lock table's database."""
-        alias = self.DATABASE
+        alias: str | None = self.DATABASE
         if alias is None:
             # Looked up in the app registry, not imported: settings know nothing of models.
             alias = router.db_for_write(apps.get_model("distlock", "Lock")) or "default"

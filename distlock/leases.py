@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
 
 from django.db import connections, transaction
 
@@ -20,7 +19,8 @@ from distlock.validation import check_name, check_owner, check_token, check_ttl,
 
 logger = logging.getLogger("distlock")
 
-LostCallback = Callable[["Lease", BaseException | str], Any]
+# Its return value is ignored, so any callable of (lease, exc) fits.
+LostCallback = Callable[["Lease", BaseException | str], object]
 
 
 class Lease:

@@ -8,18 +8,35 @@ by the database server in the same query that reads the rows.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 from django.db import connections, models
 from django.db.models.expressions import RawSQL
 
 from distlock.db import now_sql
-from distlock.models import Lock, from_us
+from distlock.models import Lock
+from distlock.times import from_us
+
+if TYPE_CHECKING:
+    # django-stubs-ext is a typing aid, not a runtime dependency.
+    from django_stubs_ext import WithAnnotations
 
 HELD = "held"
 EXPIRED = "expired"
 FREE = "free"
 STATES = (HELD, EXPIRED, FREE)
+
+
+class StateAnnotations(TypedDict):
+    """What :func:`with_state` adds to each row."""
+
+    state: str
+    db_now_us: int
+
+
+# A lock row read through with_state(). A string, so the name exists at run time without
+# django-stubs-ext installed.
+LockWithState: TypeAlias = "WithAnnotations[Lock, StateAnnotations]"
 
 
 def database_now(alias: str) -> RawSQL:
@@ -37,12 +54,14 @@ def state_case(alias: str) -> models.Case:
     )
 
 
-def with_state(queryset: models.QuerySet[Lock], alias: str) -> models.QuerySet[Lock]:
+def with_state(
+    queryset: models.QuerySet[Lock], alias: str
+) -> models.QuerySet[LockWithState]:
     """Annotate ``state`` and ``db_now_us`` (the database clock when the rows were read)."""
     return queryset.annotate(db_now_us=database_now(alias), state=state_case(alias))
 
 
-def locks(alias: str) -> models.QuerySet[Lock]:
+def locks(alias: str) -> models.QuerySet[LockWithState]:
     """All lock rows of database ``alias`` with their state."""
     return with_state(Lock.objects.using(alias).all(), alias)
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
 
 from distlock import db
 from distlock.constants import LOCK_TABLE
@@ -39,7 +41,9 @@ def hold_lock(
         lease.release()
 
 
-def _expire(connection: Any, cursor: Any, name: str, owner: str, token: int) -> int:
+def _expire(
+    connection: BaseDatabaseWrapper, cursor: CursorWrapper, name: str, owner: str, token: int
+) -> int:
     cursor.execute(
         f"UPDATE {LOCK_TABLE} SET expires_us = {db.now_sql(connection)} "
         "WHERE name = %s AND owner = %s AND token = %s",
