@@ -37,7 +37,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             returncode=4,
         )
 
-    from tests.celery_app import broker_url
+    from tests.support.celery_app import broker_url
 
     broker = broker_url()
     if broker.startswith("redis://"):
@@ -66,8 +66,8 @@ def lock_db(transactional_db: None) -> str:
 
 @pytest.fixture
 def children(lock_db: str):
-    """Start real worker processes (tests/processes.py); all are killed afterwards."""
-    from tests.processes import Children
+    """Start real worker processes (tests/support/processes.py); all are killed afterwards."""
+    from tests.support.processes import Children
 
     group = Children()
     try:

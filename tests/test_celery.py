@@ -1,7 +1,7 @@
-"""distlock.celery with real ``celery worker`` processes (tests/celery_app.py).
+"""distlock.celery with real ``celery worker`` processes (tests/support/celery_app.py).
 
 The broker is the filesystem transport, or Redis on the PostgreSQL run when
-DISTLOCK_TEST_REDIS is configured (tests.celery_app.broker_url; DISTLOCK_TEST_BROKER
+DISTLOCK_TEST_REDIS is configured (tests.support.celery_app.broker_url; DISTLOCK_TEST_BROKER
 forces one). Workers use the pytest test database. Nothing here runs a task eagerly,
 except the one test that only checks a log line.
 """
@@ -26,7 +26,7 @@ from distlock.celery import LockContended, locked_task, visibility_timeout
 from distlock.db import db_now_us
 from distlock.models import Lock
 from distlock.times import EPOCH
-from tests.celery_app import (
+from tests.support.celery_app import (
     app,
     broker_url,
     configure,
@@ -42,7 +42,7 @@ from tests.celery_app import (
     retry_self,
     unbound,
 )
-from tests.celery_workers import Events, Worker
+from tests.support.celery_workers import Events, Worker
 
 pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 

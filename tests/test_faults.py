@@ -2,7 +2,7 @@
 
 Never the shared server: ``initdb`` + ``pg_ctl`` into a temporary folder, on a free port
 on 127.0.0.1 (as the ``postgres`` user when the tests run as root, because initdb refuses
-root). The lock users are real processes (tests/stress_workers.py:agent) whose Django
+root). The lock users are real processes (tests/support/stress_workers.py:agent) whose Django
 settings point at that server, directly or through a loopback TCP proxy of our own that
 can stop forwarding (a partition) or cut every connection.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import ROOT, Child, Children
+from tests.support.processes import ROOT, Child, Children
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
@@ -302,7 +302,7 @@ class Agents(Children):
 
     def start_agent(self, label: str, name: str, proxy: Proxy | None = None) -> Child:
         child = self.start(
-            "tests.stress_workers:agent", label, name,
+            "tests.support.stress_workers:agent", label, name,
             env=self.server.env(proxy.port if proxy else None),
         )
         child.expect("ready", timeout=60)

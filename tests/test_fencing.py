@@ -38,7 +38,7 @@ from tests.testapp.models import (
 pytestmark = pytest.mark.usefixtures("lock_db")
 
 TTL = 1.0
-WORKER = "tests.fencing_workers:"
+WORKER = "tests.support.fencing_workers:"
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The Celery app of the Celery tests, run by real ``celery worker`` processes.
 
 The test process imports it to send tasks; the workers it starts import it with
-``celery -A tests.celery_app worker``. Both meet through the broker of :func:`broker_url`:
+``celery -A tests.support.celery_app worker``. Both meet through the broker of :func:`broker_url`:
 the filesystem transport (a folder per test session) or Redis. Each session uses its own
 queue, so runs sharing a Redis server do not take each other's tasks.
 

@@ -1,6 +1,7 @@
-"""The program run by tests/processes.py: ``python -m tests.worker ROLE ARGS_JSON``.
+"""The program of the child processes: ``python -m tests.support.worker ROLE ARGS_JSON``.
 
-ROLE is a name from ROLES below or ``module:function`` (any importable function).
+Started by tests/support/processes.py. ROLE is a name from ROLES below or
+``module:function`` (any importable function).
 
 Prints one JSON object per line; reads JSON commands on stdin.
 """
