@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from io import StringIO
 
 import pytest
@@ -20,6 +19,7 @@ from distlock import LockLost, acquire
 from distlock.db import db_now_us
 from distlock.management.commands.distlock_doctor import independence
 from distlock.models import Lock, LockEvent
+from tests.support.helpers import wait_expired
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -28,14 +28,6 @@ def run(*args: str) -> str:
     out = StringIO()
     call_command(*args, stdout=out, stderr=StringIO())
     return out.getvalue()
-
-
-def wait_expired(name: str) -> None:
-    expires = Lock.objects.get(name=name).expires_us
-    deadline = time.monotonic() + 10
-    while db_now_us("default") <= expires:
-        assert time.monotonic() < deadline, "the lease never expired by the database clock"
-        time.sleep(0.01)
 
 
 @pytest.fixture
