@@ -66,17 +66,6 @@ def su_client(superuser) -> Client:
     return client
 
 
-@pytest.fixture
-def three_locks():
-    """One held (renewed once), one expired, one free lock."""
-    held = acquire("job:held", ttl=30, holder="worker-A")
-    held.renew(ttl=30)
-    expired = expired_lock("job:expired")
-    free = acquire("job:free", ttl=30)
-    free.release()
-    return held, expired, free
-
-
 def post_action(client: Client, names: list[str], **extra) -> object:
     data = {"action": "break_selected", "_selected_action": names, "index": "0", **extra}
     return client.post(reverse(CHANGELIST), data)

@@ -19,7 +19,6 @@ from distlock import LockLost, acquire
 from distlock.db import db_now_us
 from distlock.management.commands.distlock_doctor import independence
 from distlock.models import Lock, LockEvent
-from tests.support.helpers import wait_expired
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -31,13 +30,9 @@ def run(*args: str) -> str:
 
 
 @pytest.fixture
-def three_locks():
-    held = acquire("cmd:held", ttl=30, holder="worker-A")
-    expired = acquire("cmd:expired", ttl=0.05)
-    wait_expired("cmd:expired")
-    free = acquire("cmd:free", ttl=30)
-    free.release()
-    return held, expired, free
+def lock_prefix() -> str:
+    """Name three_locks' locks cmd:held, cmd:expired and cmd:free."""
+    return "cmd"
 
 
 # --- distlock_list ------------------------------------------------------------------
