@@ -25,7 +25,6 @@ from distlock import acquire, current_lease
 from distlock.celery import LockContended, locked_task, visibility_timeout
 from distlock.db import db_now_us
 from distlock.models import Lock
-from distlock.times import EPOCH
 from tests.support.celery_app import (
     app,
     broker_url,
@@ -43,15 +42,11 @@ from tests.support.celery_app import (
     unbound,
 )
 from tests.support.celery_workers import Events, Worker
+from tests.support.helpers import us
 
 pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 
 REDIS = broker_url().startswith("redis")
-
-
-def us(moment) -> int:
-    delta = moment - EPOCH
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 class Setup:

@@ -126,11 +126,7 @@ def wait_for_file(name: str, timeout: float = 60.0) -> bool:
 
 def _lease_event(kind: str, task: Any, key: str, lease: Any) -> None:
     from distlock import current_lease
-    from distlock.times import EPOCH
-
-    def us(moment: Any) -> int:
-        delta = moment - EPOCH
-        return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+    from tests.support.helpers import us
 
     record(
         kind, task_id=task.request.id, key=key, retries=task.request.retries,

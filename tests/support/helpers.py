@@ -1,7 +1,8 @@
 """Helpers shared by the test modules: waiting on conditions, running under a deadline.
 
 One definition each: a helper two test modules need lives here (a fixture two need lives
-in tests/conftest.py).
+in tests/conftest.py). Child processes import it before django.setup() (for us()), so
+what needs the app registry is imported inside the function that uses it.
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections
+
+from distlock.times import EPOCH
 
 if TYPE_CHECKING:
     from distlock import Lease
@@ -51,6 +55,14 @@ def expired_lock(name: str, holder: str = "sleepy") -> Lease:
     lease = acquire(name, ttl=0.05, holder=holder)
     wait_expired(name)
     return lease
+
+
+def us(moment: datetime | None) -> int | None:
+    """A lease's datetime as database microseconds (the unit of the lock row's columns)."""
+    if moment is None:
+        return None
+    delta = moment - EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def kill_other_sessions(alias: str = "default") -> None:

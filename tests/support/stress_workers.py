@@ -139,7 +139,7 @@ def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
     from distlock import acquire
     from distlock.exceptions import LockLost, StaleToken
     from tests.stressapp.models import Resource
-    from tests.support.worker import us
+    from tests.support.helpers import us
 
     rng = random.Random(seed)
     name_connections(worker)

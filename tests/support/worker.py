@@ -16,23 +16,15 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import django
 
+from tests.support.helpers import us
+
 
 def emit(event: str, **data: Any) -> None:
     print(json.dumps({"event": event, "pid": os.getpid(), **data}), flush=True)
-
-
-def us(moment: datetime | None) -> int | None:
-    from distlock.times import EPOCH
-
-    if moment is None:
-        return None
-    delta = moment - EPOCH
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def command() -> dict[str, Any]:
