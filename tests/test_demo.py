@@ -23,8 +23,7 @@ import pytest
 from django.conf import settings
 
 from tests.support.celery_app import broker_url
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.processes
 

@@ -42,9 +42,8 @@ from django.db import connections
 from distlock import acquire, break_lock
 from distlock.db import TABLE, db_now_us
 from tests.stress.checker import Report, Volume, check
-from tests.support.processes import LIBFAKETIME, skewed_clock_env
+from tests.support.processes import LIBFAKETIME, ROOT, skewed_clock_env
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 ARTIFACTS = ROOT / "artifacts"
 HISTORY = "stressapp_lockhistory"
 TABLES = (TABLE, HISTORY, "stressapp_write", "stressapp_resource")

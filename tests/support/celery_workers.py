@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.celery_app import DIR_ENV, QUEUE_ENV, VISIBILITY_ENV
-from tests.support.processes import child_env
+from tests.support.processes import ROOT, child_env
 
-ROOT = Path(__file__).resolve().parents[2]
 Event = dict[str, Any]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from django.db import connection
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: children run there
 # Debian's libfaketime (package faketime); None where it is not installed.
 LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
 
