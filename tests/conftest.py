@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import django
 import pytest
 from django.conf import settings
 from django.db import connection
+
+if TYPE_CHECKING:
+    from distlock import Lease
 
 _SERVER: dict[str, str] = {}
 
@@ -37,7 +41,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             returncode=4,
         )
 
-    from tests.celery_app import broker_url
+    from tests.support.celery_app import broker_url
 
     broker = broker_url()
     if broker.startswith("redis://"):
@@ -65,9 +69,31 @@ def lock_db(transactional_db: None) -> str:
 
 
 @pytest.fixture
+def lock_prefix() -> str:
+    """The prefix of three_locks' lock names; a test module overrides it to pick its own."""
+    return "job"
+
+
+@pytest.fixture
+def three_locks(lock_db: str, lock_prefix: str) -> tuple[Lease, Lease, Lease]:
+    """Three locks, one in each state: ``<prefix>:held`` (holder worker-A, renewed once),
+    ``<prefix>:expired`` (run out by the database clock, holder sleepy) and
+    ``<prefix>:free`` (released)."""
+    from distlock import acquire
+    from tests.support.helpers import expired_lock
+
+    held = acquire(f"{lock_prefix}:held", ttl=30, holder="worker-A")
+    held.renew(ttl=30)
+    expired = expired_lock(f"{lock_prefix}:expired")
+    free = acquire(f"{lock_prefix}:free", ttl=30)
+    free.release()
+    return held, expired, free
+
+
+@pytest.fixture
 def children(lock_db: str):
-    """Start real worker processes (tests/processes.py); all are killed afterwards."""
-    from tests.processes import Children
+    """Start real worker processes (tests/support/processes.py); all are killed afterwards."""
+    from tests.support.processes import Children
 
     group = Children()
     try:

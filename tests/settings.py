@@ -2,7 +2,7 @@
 postgresql or mariadb. Server addresses come from DISTLOCK_TEST_POSTGRES and
 DISTLOCK_TEST_MARIADB (URLs), with the local defaults below.
 
-Child processes spawned by tests (tests/processes.py) get DISTLOCK_TEST_CHILD_DB, the name
+Child processes spawned by tests (tests/support/processes.py) get DISTLOCK_TEST_CHILD_DB, the name
 of the test database the parent created, and use it as it is.
 """
 

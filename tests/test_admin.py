@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from collections.abc import Callable
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -21,27 +19,12 @@ from django.urls import reverse
 from distlock import LockLost, acquire, break_lock
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
+from tests.support.helpers import expired_lock
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
 CHANGELIST = "admin:distlock_lock_changelist"
 EVENTS = "admin:distlock_lockevent_changelist"
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met within the deadline")
-        time.sleep(0.01)
-
-
-def expired_lock(name: str):
-    """A lease whose ttl has run out by the database clock, not taken over."""
-    lease = acquire(name, ttl=0.05, holder="sleepy")
-    expires = Lock.objects.get(name=name).expires_us
-    wait_until(lambda: db_now_us("default") > expires)
-    return lease
 
 
 def rows(response) -> dict[str, str]:
@@ -81,17 +64,6 @@ def su_client(superuser) -> Client:
     client = Client()
     client.force_login(superuser)
     return client
-
-
-@pytest.fixture
-def three_locks():
-    """One held (renewed once), one expired, one free lock."""
-    held = acquire("job:held", ttl=30, holder="worker-A")
-    held.renew(ttl=30)
-    expired = expired_lock("job:expired")
-    free = acquire("job:free", ttl=30)
-    free.release()
-    return held, expired, free
 
 
 def post_action(client: Client, names: list[str], **extra) -> object:

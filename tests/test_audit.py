@@ -14,6 +14,7 @@ from distlock.audit import check_audit_settings, purge_events, record
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
 from distlock.testing import make_stale
+from tests.support.helpers import wait_expired
 from tests.testapp.models import Account
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -26,14 +27,6 @@ def audit(settings):
 
 def kinds(name: str) -> list[str]:
     return list(LockEvent.objects.filter(name=name).order_by("id").values_list("kind", flat=True))
-
-
-def wait_expired(name: str) -> None:
-    expires = Lock.objects.get(name=name).expires_us
-    deadline = time.monotonic() + 10
-    while db_now_us("default") <= expires:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_audit_receivers_are_connected_only_while_audit_is_on(settings):

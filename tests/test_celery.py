@@ -1,7 +1,7 @@
-"""distlock.celery with real ``celery worker`` processes (tests/celery_app.py).
+"""distlock.celery with real ``celery worker`` processes (tests/support/celery_app.py).
 
 The broker is the filesystem transport, or Redis on the PostgreSQL run when
-DISTLOCK_TEST_REDIS is configured (tests.celery_app.broker_url; DISTLOCK_TEST_BROKER
+DISTLOCK_TEST_REDIS is configured (tests.support.celery_app.broker_url; DISTLOCK_TEST_BROKER
 forces one). Workers use the pytest test database. Nothing here runs a task eagerly,
 except the one test that only checks a log line.
 """
@@ -25,8 +25,7 @@ from distlock import acquire, current_lease
 from distlock.celery import LockContended, locked_task, visibility_timeout
 from distlock.db import db_now_us
 from distlock.models import Lock
-from distlock.times import EPOCH
-from tests.celery_app import (
+from tests.support.celery_app import (
     app,
     broker_url,
     configure,
@@ -42,16 +41,12 @@ from tests.celery_app import (
     retry_self,
     unbound,
 )
-from tests.celery_workers import Events, Worker
+from tests.support.celery_workers import Events, Worker
+from tests.support.helpers import us
 
 pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 
 REDIS = broker_url().startswith("redis")
-
-
-def us(moment) -> int:
-    delta = moment - EPOCH
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 class Setup:

@@ -21,10 +21,11 @@ import uuid
 import pytest
 
 from distlock.models import Lock
-from tests.celery_app import DIR_ENV, QUEUE_ENV, broker_url
-from tests.celery_workers import ROOT, Events, Worker
 from tests.stress.celery_tasks import HARD_LIMIT, TTL
 from tests.stress.harness import HISTORY, drop_triggers, install_triggers, rows
+from tests.support.celery_app import DIR_ENV, QUEUE_ENV, broker_url
+from tests.support.celery_workers import Events, Worker
+from tests.support.processes import ROOT
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

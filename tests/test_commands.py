@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from io import StringIO
 
 import pytest
@@ -30,22 +29,10 @@ def run(*args: str) -> str:
     return out.getvalue()
 
 
-def wait_expired(name: str) -> None:
-    expires = Lock.objects.get(name=name).expires_us
-    deadline = time.monotonic() + 10
-    while db_now_us("default") <= expires:
-        assert time.monotonic() < deadline, "the lease never expired by the database clock"
-        time.sleep(0.01)
-
-
 @pytest.fixture
-def three_locks():
-    held = acquire("cmd:held", ttl=30, holder="worker-A")
-    expired = acquire("cmd:expired", ttl=0.05)
-    wait_expired("cmd:expired")
-    free = acquire("cmd:free", ttl=30)
-    free.release()
-    return held, expired, free
+def lock_prefix() -> str:
+    """Name three_locks' locks cmd:held, cmd:expired and cmd:free."""
+    return "cmd"
 
 
 # --- distlock_list ------------------------------------------------------------------

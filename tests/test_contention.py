@@ -12,7 +12,7 @@ from django.db import connections
 from distlock import acquire
 from distlock.db import TABLE, db_now_us, now_sql
 from distlock.models import Lock
-from tests.processes import LIBFAKETIME, skewed_clock_env
+from tests.support.processes import LIBFAKETIME, skewed_clock_env
 
 pytestmark = pytest.mark.processes
 

@@ -22,9 +22,8 @@ from urllib.parse import quote
 import pytest
 from django.conf import settings
 
-from tests.celery_app import broker_url
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.celery_app import broker_url
+from tests.support.processes import ROOT
 
 pytestmark = pytest.mark.processes
 

@@ -18,8 +18,8 @@ from django.test.utils import CaptureQueriesContext
 
 from distlock import LockLost, acquire, break_lock
 from distlock import db as distlock_db
-from distlock.db import db_now_us
 from distlock.models import Lock
+from tests.support.helpers import wait_expired
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -37,13 +37,6 @@ def _raw_postgresql():
     params.pop("cursor_factory", None)
     params.pop("context", None)
     return psycopg.connect(**params, autocommit=True)
-
-
-def _wait_until_db_clock_passes(expires_us: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while db_now_us("default") <= expires_us:
-        assert time.monotonic() < deadline, "the database clock did not pass the expiry"
-        time.sleep(0.01)
 
 
 @postgresql_only
@@ -167,7 +160,7 @@ def test_a_grant_waits_for_the_row_lock_then_judges_by_the_clock_after_it():
 @postgresql_only
 def test_renew_refusals_keep_their_reasons():
     lease = acquire("renew-reasons", ttl=0.2)
-    _wait_until_db_clock_passes(Lock.objects.get(name="renew-reasons").expires_us)
+    wait_expired("renew-reasons", timeout=30.0)
     with pytest.raises(LockLost, match="expired before the renewal"):
         lease.renew()
     other = acquire("renew-reasons", ttl=30)

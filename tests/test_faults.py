@@ -2,7 +2,7 @@
 
 Never the shared server: ``initdb`` + ``pg_ctl`` into a temporary folder, on a free port
 on 127.0.0.1 (as the ``postgres`` user when the tests run as root, because initdb refuses
-root). The lock users are real processes (tests/stress_workers.py:agent) whose Django
+root). The lock users are real processes (tests/support/stress_workers.py:agent) whose Django
 settings point at that server, directly or through a loopback TCP proxy of our own that
 can stop forwarding (a partition) or cut every connection.
 
@@ -35,13 +35,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.processes import ROOT, Child, Children
+from tests.support.helpers import wait_until
+from tests.support.processes import ROOT, Child, Children
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
@@ -74,17 +74,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def wait_until(condition, timeout: float, what: str, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(every)
 
 
 class Server:
@@ -302,7 +291,7 @@ class Agents(Children):
 
     def start_agent(self, label: str, name: str, proxy: Proxy | None = None) -> Child:
         child = self.start(
-            "tests.stress_workers:agent", label, name,
+            "tests.support.stress_workers:agent", label, name,
             env=self.server.env(proxy.port if proxy else None),
         )
         child.expect("ready", timeout=60)
@@ -396,7 +385,7 @@ def test_restart_during_acquire_gives_an_error_never_a_phantom(server, agents, m
         blocker.execute("SELECT 1 FROM distlock_lock WHERE name = %s FOR UPDATE", [name])
         send(waiter, "acquire", ttl=5, timeout=60)
         wait_until(lambda: server.backend("W", wait_event_type="Lock"), 30,
-                   "the acquire waiting on the row lock")
+                   "the acquire waiting on the row lock", every=0.05)
         server.restart(mode)
     finally:
         with contextlib.suppress(Exception):
@@ -484,7 +473,7 @@ def test_backend_terminated_during_commit_is_an_error_and_no_grant(server, agent
     client = agents.start_agent("C", name)
     send(client, "acquire", ttl=5, timeout=0)
     pid = wait_until(lambda: server.backend("C", wait_event="PgSleep"), 30,
-                     "the acquire sleeping inside its COMMIT")
+                     "the acquire sleeping inside its COMMIT", every=0.05)
     assert server.query("SELECT pg_terminate_backend(%s)", [pid]) == [(True,)]
     got = outcome(client)
     assert got["event"] == "dberror", f"expected a clean error, got {got}"
@@ -510,14 +499,14 @@ def test_connection_cut_during_commit_leaves_at_most_a_ghost_that_expires(
     client = agents.start_agent("X", name, proxy=proxy)
     send(client, "acquire", ttl=3, timeout=0)
     wait_until(lambda: server.backend("X", wait_event="PgSleep"), 30,
-               "the acquire sleeping inside its COMMIT")
+               "the acquire sleeping inside its COMMIT", every=0.05)
     proxy.cut()
     got = outcome(client)
     assert got["event"] == "dberror", f"a cut connection must raise, got {got}"
     # The server finished the COMMIT it was in: a grant exists that no client holds.
     ghost = wait_until(
         lambda: (row := server.lock_row(name))["token"] == token + 1 and row, 15,
-        "the COMMIT to finish on the server",
+        "the COMMIT to finish on the server", every=0.05,
     )
     assert ghost["owner"] != "" and ghost["expires_us"] - ghost["acquired_us"] == 3_000_000
 

@@ -38,7 +38,7 @@ from tests.testapp.models import (
 pytestmark = pytest.mark.usefixtures("lock_db")
 
 TTL = 1.0
-WORKER = "tests.fencing_workers:"
+WORKER = "tests.support.fencing_workers:"
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def refusals():
     signals.stale_write_refused.disconnect(receiver)
 
 
-def wait_until(deadline: float) -> None:
+def pause_until(deadline: float) -> None:
     """Let a paused process stay paused until ``deadline`` (the scenario's pause length)."""
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(left, 0.1))
@@ -87,7 +87,7 @@ def test_paused_holder_cannot_write_after_a_newer_holder_wrote(children, refusal
     assert lease_b["acquired_us"] >= lease_a["expires_us"]
     b.send("write", note="B")
     b.expect("wrote")
-    wait_until(resume_at)
+    pause_until(resume_at)
     a.signal(signal.SIGCONT)
     a.send("write", note="A")
     refused = a.expect("refused")
@@ -119,7 +119,7 @@ def test_paused_holder_is_refused_even_if_the_new_holder_wrote_nothing(children)
     resume_at = time.monotonic() + 2 * TTL
     b = children.start(WORKER + "writer", "testapp.Account", account.pk, TTL * 30)
     lease_b = b.expect("acquired")
-    wait_until(resume_at)
+    pause_until(resume_at)
     a.signal(signal.SIGCONT)
     a.send("write", note="A")
     refused = a.expect("refused")
@@ -151,7 +151,7 @@ def test_high_water_mark_alone_lets_that_stale_write_through(children):
     resume_at = time.monotonic() + 2 * TTL
     b = children.start(WORKER + "writer", "testapp.HighWaterAccount", account.pk, TTL * 30)
     lease_b = b.expect("acquired")
-    wait_until(resume_at)
+    pause_until(resume_at)
     a.signal(signal.SIGCONT)
     a.send("write", note="A late")
     a.expect("wrote")  # accepted: this is the gap
@@ -186,7 +186,7 @@ def test_take_over_waits_for_a_paused_writers_commit(children):
     b = children.start(WORKER + "writer", "testapp.Account", account.pk, TTL * 30)
     # B blocks for the whole pause, although A's lease ran out half-way through it.
     assert_silent(b, 2 * TTL)
-    wait_until(resume_at)
+    pause_until(resume_at)
     assert Lock.objects.get(name=f"account:{account.pk}").owner == lease_a["owner"]
     a.signal(signal.SIGCONT)
     a.send("commit")

@@ -40,7 +40,7 @@ from distlock.db import db_now_us
 from distlock.leases import Lease
 from distlock.models import Lock
 from tests import urls
-from tests.support import run_with_deadline, wait_until
+from tests.support.helpers import run_with_deadline, wait_until
 from tests.testapp.models import Account, Order
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "locks"])

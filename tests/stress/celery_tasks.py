@@ -1,6 +1,6 @@
 """A Celery task killed by its hard time limit (tests/test_celery_faults.py).
 
-Registered on the test suite's Celery app (tests/celery_app.py), so a worker started with
+Registered on the test suite's Celery app (tests/support/celery_app.py), so a worker started with
 ``celery -A tests.stress.celery_tasks worker`` runs it beside the suite's own tasks and
 records events into the same events.jsonl.
 """
@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from distlock.celery import locked_task
-from tests.celery_app import _lease_event, app, base_dir
+from tests.support.celery_app import _lease_event, app, base_dir
 
 __all__ = ["app", "time_limited"]
 

@@ -1,6 +1,6 @@
 """The history checker: pure Python over what the database and the workers recorded.
 
-Inputs (see tests/stressapp/models.py and tests/stress_workers.py):
+Inputs (see tests/stressapp/models.py and tests/support/stress_workers.py):
 
 * ``lock_history``: every change of every lock row, written by triggers in the same
   transaction as the change (``grant``, ``renew``, ``end``), with database-clock times;

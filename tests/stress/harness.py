@@ -5,7 +5,7 @@ One run (anchors-reliability.md §5):
 1. prepare: empty the stress tables, install the triggers that log every change of the
    lock table into ``stressapp_lockhistory`` (in the changing transaction), create one
    Resource per lock;
-2. fault phase: N worker processes (tests/stress_workers.py) loop acquire → read → hold →
+2. fault phase: N worker processes (tests/support/stress_workers.py) loop acquire → read → hold →
    fenced write → release on K locks, while the nemesis, every U(1.5, 3) s, picks one
    of: SIGSTOP a worker for 2 × ttl then SIGCONT, SIGKILL a worker and start a new one,
    terminate a worker's PostgreSQL backend, break a lock with ``distlock.break_lock``,
@@ -41,10 +41,9 @@ from django.db import connections
 
 from distlock import acquire, break_lock
 from distlock.db import TABLE, db_now_us
-from tests.processes import LIBFAKETIME, skewed_clock_env
 from tests.stress.checker import Report, Volume, check
+from tests.support.processes import LIBFAKETIME, ROOT, skewed_clock_env
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 ARTIFACTS = ROOT / "artifacts"
 HISTORY = "stressapp_lockhistory"
 TABLES = (TABLE, HISTORY, "stressapp_write", "stressapp_resource")
@@ -244,7 +243,7 @@ class Workers:
         err = open(self.directory / f"stderr-{worker}.txt", "wb")  # noqa: SIM115
         self.files += [out, err]
         self.procs[slot] = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker", "tests.stress_workers:run",
+            [sys.executable, "-m", "tests.support.worker", "tests.support.stress_workers:run",
              json.dumps(args)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=ROOT,
             start_new_session=True,

@@ -1,7 +1,7 @@
 """The Celery app of the Celery tests, run by real ``celery worker`` processes.
 
 The test process imports it to send tasks; the workers it starts import it with
-``celery -A tests.celery_app worker``. Both meet through the broker of :func:`broker_url`:
+``celery -A tests.support.celery_app worker``. Both meet through the broker of :func:`broker_url`:
 the filesystem transport (a folder per test session) or Redis. Each session uses its own
 queue, so runs sharing a Redis server do not take each other's tasks.
 
@@ -126,11 +126,7 @@ def wait_for_file(name: str, timeout: float = 60.0) -> bool:
 
 def _lease_event(kind: str, task: Any, key: str, lease: Any) -> None:
     from distlock import current_lease
-    from distlock.times import EPOCH
-
-    def us(moment: Any) -> int:
-        delta = moment - EPOCH
-        return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+    from tests.support.helpers import us
 
     record(
         kind, task_id=task.request.id, key=key, retries=task.request.retries,

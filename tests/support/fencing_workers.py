@@ -1,4 +1,4 @@
-"""Child-process roles for tests/test_fencing.py (run by tests/worker.py).
+"""Child-process roles for tests/test_fencing.py (run by tests/support/worker.py).
 
 Each role acquires a real lease in its own process and writes fenced rows when told to,
 so the parent can pause it with SIGSTOP at the worst moment and see what the database
@@ -15,7 +15,7 @@ from django.apps import apps
 from django.db import connection, transaction
 from django.test.utils import override_settings
 
-from tests.worker import command, emit, lease_data
+from tests.support.worker import command, emit, lease_data
 
 
 def _db_now_us() -> int:

@@ -1,24 +1,68 @@
-"""Helpers shared by the test modules: waiting on conditions, running under a deadline."""
+"""Helpers shared by the test modules: waiting on conditions, running under a deadline.
+
+One definition each: a helper two test modules need lives here (a fixture two need lives
+in tests/conftest.py). Child processes import it before django.setup() (for us()), so
+what needs the app registry is imported inside the function that uses it.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections
+
+from distlock.times import EPOCH
+
+if TYPE_CHECKING:
+    from distlock import Lease
 
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
-    """Poll ``condition`` until it is true; fail the test after ``timeout`` seconds."""
+def wait_until(
+    condition: Callable[[], T], timeout: float = 10.0, what: str = "", every: float = 0.01
+) -> T:
+    """Poll ``condition`` every ``every`` seconds until it returns something true; return it.
+
+    Fails the test (AssertionError) after ``timeout`` seconds.
+    """
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (value := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what or 'condition'} not met within {timeout} s")
-        time.sleep(0.01)
+        time.sleep(every)
+    return value
+
+
+def wait_expired(name: str, timeout: float = 10.0) -> None:
+    """Wait until lock ``name``'s lease has run out by the database clock (not the host's)."""
+    from distlock.db import db_now_us
+    from distlock.models import Lock
+
+    expires = Lock.objects.get(name=name).expires_us
+    wait_until(lambda: db_now_us("default") > expires, timeout,
+               "the lease's expiry by the database clock")
+
+
+def expired_lock(name: str, holder: str = "sleepy") -> Lease:
+    """A lease whose ttl has run out by the database clock, not taken over."""
+    from distlock import acquire
+
+    lease = acquire(name, ttl=0.05, holder=holder)
+    wait_expired(name)
+    return lease
+
+
+def us(moment: datetime | None) -> int | None:
+    """A lease's datetime as database microseconds (the unit of the lock row's columns)."""
+    if moment is None:
+        return None
+    delta = moment - EPOCH
+    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def kill_other_sessions(alias: str = "default") -> None:

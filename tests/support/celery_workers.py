@@ -1,8 +1,8 @@
 """Real ``celery worker`` processes for the Celery tests, and the events they record.
 
-A worker is ``python -m celery -A tests.celery_app worker`` in its own session (process
+A worker is ``python -m celery -A tests.support.celery_app worker`` in its own session (process
 group), pointed at the pytest test database through DISTLOCK_TEST_CHILD_DB, as
-tests/processes.py does for plain children. Everything waits with a deadline; teardown
+tests/support/processes.py does for plain children. Everything waits with a deadline; teardown
 kills the whole process group by its id, so a wedged worker cannot outlive the test.
 """
 
@@ -20,10 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.celery_app import DIR_ENV, QUEUE_ENV, VISIBILITY_ENV
-from tests.processes import child_env
+from tests.support.celery_app import DIR_ENV, QUEUE_ENV, VISIBILITY_ENV
+from tests.support.processes import ROOT, child_env
 
-ROOT = Path(__file__).resolve().parent.parent
 Event = dict[str, Any]
 
 
@@ -31,7 +30,7 @@ class Worker:
     """One ``celery worker`` process (prefork, ``concurrency`` children)."""
 
     def __init__(self, base: Path, queue: str, *, concurrency: int = 2,
-                 visibility: float | None = None, app: str = "tests.celery_app",
+                 visibility: float | None = None, app: str = "tests.support.celery_app",
                  name: str = "distlock-test") -> None:
         self.hostname = f"{name}-{uuid.uuid4().hex[:8]}"
         self.base = base

@@ -1,6 +1,6 @@
 """Real OS processes for contention tests.
 
-Each child is ``python -m tests.worker ROLE ARGS_JSON`` with its own interpreter, Django
+Each child is ``python -m tests.support.worker ROLE ARGS_JSON`` with its own interpreter, Django
 and database connection, talking to the same test database as the test. It prints one JSON
 object per line (its events) and reads commands one per line on stdin. Tests wait on the
 events they expect, each with a deadline; nothing sleeps to make a test pass.
@@ -22,7 +22,7 @@ from typing import Any
 
 from django.db import connection
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: children run there
 # Debian's libfaketime (package faketime); None where it is not installed.
 LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
 
@@ -56,7 +56,7 @@ class Child:
     def __init__(self, role: str, *args: Any, env: dict[str, str] | None = None) -> None:
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.worker", role, json.dumps(args)],
+            [sys.executable, "-m", "tests.support.worker", role, json.dumps(args)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=child_env(**(env or {})), cwd=ROOT, start_new_session=True,
         )

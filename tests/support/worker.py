@@ -1,6 +1,7 @@
-"""The program run by tests/processes.py: ``python -m tests.worker ROLE ARGS_JSON``.
+"""The program of the child processes: ``python -m tests.support.worker ROLE ARGS_JSON``.
 
-ROLE is a name from ROLES below or ``module:function`` (any importable function).
+Started by tests/support/processes.py. ROLE is a name from ROLES below or
+``module:function`` (any importable function).
 
 Prints one JSON object per line; reads JSON commands on stdin.
 """
@@ -15,23 +16,15 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import django
 
+from tests.support.helpers import us
+
 
 def emit(event: str, **data: Any) -> None:
     print(json.dumps({"event": event, "pid": os.getpid(), **data}), flush=True)
-
-
-def us(moment: datetime | None) -> int | None:
-    from distlock.times import EPOCH
-
-    if moment is None:
-        return None
-    delta = moment - EPOCH
-    return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
 def command() -> dict[str, Any]:

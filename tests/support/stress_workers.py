@@ -1,4 +1,6 @@
-"""The worker of the stress harness: ``python -m tests.worker tests.stress_workers:run ARGS``.
+"""The worker of the stress harness.
+
+Run as ``python -m tests.support.worker tests.support.stress_workers:run ARGS``.
 
 Loop until the stop file appears: pick a lock, acquire → read the Resource → hold →
 fenced write (value = read + 1) with its Write row in the same transaction → release.
@@ -137,7 +139,7 @@ def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
     from distlock import acquire
     from distlock.exceptions import LockLost, StaleToken
     from tests.stressapp.models import Resource
-    from tests.worker import us
+    from tests.support.helpers import us
 
     rng = random.Random(seed)
     name_connections(worker)
@@ -238,7 +240,7 @@ def agent(label: str, name: str) -> None:
     from distlock import LockLost, acquire
     from distlock.exceptions import StaleToken
     from tests.stressapp.models import Resource
-    from tests.worker import command, emit, lease_data
+    from tests.support.worker import command, emit, lease_data
 
     name_connections(f"agent-{label}")
     lease = None
