@@ -25,6 +25,7 @@ from tests.stress.celery_tasks import HARD_LIMIT, TTL
 from tests.stress.harness import HISTORY, drop_triggers, install_triggers, rows
 from tests.support.celery_app import DIR_ENV, QUEUE_ENV, broker_url
 from tests.support.celery_workers import Events, Worker
+from tests.support.helpers import wait_until
 from tests.support.processes import ROOT
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -85,7 +86,9 @@ def test_hard_time_limit_kill_is_redelivered_waits_for_the_lease_and_runs_once(t
         assert failed["db_us"] - first["acquired_us"] >= HARD_LIMIT * 1e6 * 0.9
         assert end["token"] == second["token"]
         assert len(events.all(kind="end", task_id=task_id)) == 1
-        assert Lock.objects.get(name=f"test:{k}").is_free
+        # The task records "end" just before its release: wait for the release to land.
+        wait_until(lambda: Lock.objects.get(name=f"test:{k}").is_free, 10,
+                   "the lock freed after the redelivered run")
         assert "Hard time limit" in worker.tail(200)
     finally:
         worker.stop()
