@@ -14,7 +14,7 @@ another lock.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 from django.core.exceptions import FieldDoesNotExist
 from django.db import models
@@ -76,7 +76,7 @@ def name_test(model: type[models.Model], name: str, *, required: bool) -> NameTe
     if found is NO_ROW:
         return NameTest(None, Q(pk__in=[]))
     if found is not None:
-        field, value = found  # type: ignore[misc]
+        field, value = cast(tuple[Any, int | str], found)
         if isinstance(value, int):
             return NameTest((field, value), Q(**{field.attname: value}))
         return NameTest((field, value), Q(SameName(F(field.attname), value)))
@@ -225,7 +225,7 @@ class Fence(NamedTuple):
         if self.holds is not None:
             condition &= Q(self.holds)
         if self.holds is not None and not pins:
-            condition &= ~Exists(rows.filter(self.refused()))
+            condition &= Q(~Exists(rows.filter(self.refused())))
         # One filter() call: each one clones and resolves the query again.
         return rows.filter(condition)
 

@@ -30,7 +30,7 @@ another row saved inside the save (a signal receiver) gets a plain save.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol
@@ -66,8 +66,9 @@ def expected_do_update_parameters(
 class FencedUpdate(Protocol):
     """What one ``save(fence=)`` asks of its own UPDATE."""
 
-    #: The instance being saved: only its UPDATE is fenced.
-    instance: models.Model
+    @property
+    def instance(self) -> models.Model:
+        """The instance being saved: only its UPDATE is fenced."""
 
     def narrow(
         self, base_qs: models.QuerySet[Any], pk_val: Any, values: list[Any],
@@ -98,19 +99,20 @@ class FencedUpdateHook(models.Model):
         abstract = True
 
     def _do_update(
-        self, base_qs: models.QuerySet[Any], using: str, pk_val: Any, values: list[Any],
-        update_fields: Any, forced_update: bool, *args: Any, **kwargs: Any,
+        self, base_qs: models.QuerySet[Any], using: str | None, pk_val: Any,
+        values: Collection[Any], update_fields: Any, forced_update: bool,
+        *args: Any, **kwargs: Any,
     ) -> Any:
         # Never write the token from the instance: it may be older than the row's.
         values = [value for value in values if value[0].attname != FENCE_FIELD]
         update = _current.get()
         if update is None or update.instance is not self or not self._updates_token(base_qs):
-            return super()._do_update(  # type: ignore[misc]
+            return super()._do_update(
                 base_qs, using, pk_val, values, update_fields, forced_update, *args, **kwargs
             )
         fenced_qs, values = update.narrow(base_qs, pk_val, values)
         # forced_update=True: no select_on_save SELECT first; the UPDATE decides.
-        updated = super()._do_update(  # type: ignore[misc]
+        updated = super()._do_update(
             fenced_qs, using, pk_val, values, update_fields, True, *args, **kwargs
         )
         if not updated:

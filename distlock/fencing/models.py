@@ -18,14 +18,7 @@ from django.db.models.signals import class_prepared
 from distlock.constants import FENCE_FIELD
 from distlock.fencing.conditions import Fence, name_after, name_test, refuse_other_lock
 from distlock.fencing.django_hooks import FencedUpdateHook, fencing_update
-from distlock.fencing.ownership import (
-    LeaseHolds,
-    OtherLock,
-    Refused,
-    check_lease,
-    fenced,
-    lease_is_current,
-)
+from distlock.fencing.ownership import OtherLock, Refused, check_lease, fenced, lease_is_current
 from distlock.fencing.query import FencedManager, use_fenced_base_manager
 from distlock.fencing.templates import (
     field_names,
@@ -38,6 +31,7 @@ from distlock.fencing.templates import (
 )
 
 if TYPE_CHECKING:
+    from distlock.fencing.ownership import LeaseHolds
     from distlock.leases import Lease
 
 

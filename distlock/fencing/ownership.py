@@ -16,7 +16,7 @@ can move into ``distlock.backends`` in one piece.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from django.apps import apps
@@ -78,7 +78,7 @@ class SameName(_Condition):
     def get_source_expressions(self) -> list[Any]:
         return [self.expression]
 
-    def set_source_expressions(self, exprs: list[Any]) -> None:
+    def set_source_expressions(self, exprs: Sequence[Any]) -> None:
         (self.expression,) = exprs
 
     def as_sql(

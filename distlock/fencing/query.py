@@ -3,7 +3,7 @@ the high-water mark (they refuse to set ``fence_token``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from django.db import models
@@ -18,14 +18,7 @@ from distlock.fencing.conditions import (
     name_test,
     refuse_other_lock,
 )
-from distlock.fencing.ownership import (
-    LeaseHolds,
-    OtherLock,
-    Refused,
-    check_lease,
-    fenced,
-    lease_is_current,
-)
+from distlock.fencing.ownership import OtherLock, Refused, check_lease, fenced, lease_is_current
 from distlock.fencing.templates import (
     constant_name,
     local_columns,
@@ -36,6 +29,7 @@ from distlock.fencing.templates import (
 )
 
 if TYPE_CHECKING:
+    from distlock.fencing.ownership import LeaseHolds
     from distlock.leases import Lease
 
 M = TypeVar("M", bound=models.Model)
@@ -65,7 +59,7 @@ class FencedQuerySet(models.QuerySet[M]):
     def bulk_create(
         self, objs: Iterable[M], batch_size: int | None = None, ignore_conflicts: bool = False,
         update_conflicts: bool = False, update_fields: Iterable[str] | None = None,
-        unique_fields: Iterable[str] | None = None,
+        unique_fields: Collection[str] | None = None,
     ) -> list[M]:
         """Plain, unfenced bulk_create. Refuses ``update_conflicts`` that would write
         ``fence_token`` of existing rows (an upsert is an UPDATE of them)."""

@@ -238,7 +238,7 @@ def columns_read(expression: Any) -> set[str] | None:
     while stack:
         node = stack.pop()
         if isinstance(node, F):
-            names.add(node.name.split(LOOKUP_SEP, 1)[0])
+            names.add(node.name.split(LOOKUP_SEP, 1)[0])  # type: ignore[attr-defined]
         elif isinstance(node, models.QuerySet | RawSQL) or getattr(node, "subquery", False):
             return None
         elif isinstance(node, Q):
