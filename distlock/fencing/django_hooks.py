@@ -93,7 +93,7 @@ def fencing_update(update: FencedUpdate) -> Iterator[None]:
 
 
 class FencedUpdateHook(models.Model):
-    """Abstract base of FencedModel holding the ``_do_update`` override, and only it."""
+    """Abstract base of FencedModel: the ``_do_update`` override, kept apart from the rest."""
 
     class Meta:
         abstract = True
