@@ -1,0 +1,254 @@
+"""The ownership check of a fenced write, and the transaction every fenced write runs in.
+
+When the lock table shares the model's database, a fenced write proves in its own
+transaction that the lease is current: a locking read of the lock row requiring this
+lease's owner and token and an expiry later than the database's clock. Its shared row
+lock (SQLite: the IMMEDIATE write lock) lasts until the write commits, so a take-over
+waits for the commit and a lease that ran out commits nothing. On PostgreSQL in
+autocommit, the check is folded into the write's own statement (:class:`LeaseHolds`).
+
+:func:`fenced` runs a write under that check and turns the database's refusal into
+StaleToken (or ValueError for a row of another lock).
+
+The vendor SQL of the fencing package is kept together below ("vendor SQL"), so that it
+can move into ``distlock.backends`` in one piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+from django.apps import apps
+from django.db import connections, models, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models.expressions import Expression
+
+from distlock import db, signals, uncommitted
+from distlock.constants import LOCK_TABLE
+from distlock.exceptions import StaleToken
+
+if TYPE_CHECKING:
+    from django.db.models.sql.compiler import SQLCompiler
+
+    from distlock.leases import Lease
+
+T = TypeVar("T")
+
+
+class Refused(Exception):
+    """Internal: the database refused the write (raised inside the transaction)."""
+
+    def __init__(self, by_owner_check: bool) -> None:
+        super().__init__()
+        self.by_owner_check = by_owner_check
+
+
+class OtherLock(Exception):
+    """Internal: a row the write would touch is guarded by another lock."""
+
+
+def check_lease(lease: object) -> Lease:
+    """``lease`` if it is a Lease; TypeError otherwise (a fence must be a real grant)."""
+    from distlock.leases import Lease
+
+    if not isinstance(lease, Lease):
+        raise TypeError(f"fence must be a distlock Lease, not {type(lease).__name__}")
+    return lease
+
+
+class _Condition(Expression):
+    """A WHERE condition written in SQL by hand."""
+
+    conditional = True
+    output_field = models.BooleanField()
+
+
+# -- vendor SQL (to move into distlock.backends) ------------------------------------------
+
+
+class SameName(_Condition):
+    """``<lock name of the row> = %s``, compared byte for byte, never NULL."""
+
+    def __init__(self, expression: Any, name: str) -> None:
+        super().__init__()
+        self.expression = expression
+        self.name = name
+
+    def get_source_expressions(self) -> list[Any]:
+        return [self.expression]
+
+    def set_source_expressions(self, exprs: Sequence[Any]) -> None:
+        (self.expression,) = exprs
+
+    def as_sql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
+    ) -> tuple[str, list[Any]]:
+        sql, params = compiler.compile(self.expression)
+        if connection.vendor == "mysql":
+            # The default collations fold case, accents and trailing spaces.
+            return (
+                f"COALESCE(CAST({sql} AS BINARY) = CAST(%s AS BINARY), 0)",
+                [*params, self.name],
+            )
+        false = "FALSE" if connection.vendor == "postgresql" else "0"
+        return f"COALESCE(({sql}) = %s, {false})", [*params, self.name]
+
+
+def _share_lock(connection: BaseDatabaseWrapper) -> str:
+    # FOR SHARE conflicts with the FOR UPDATE of acquire, renew, release and break, so they
+    # wait for the write to commit. SQLite's IMMEDIATE transaction holds the whole file.
+    if connection.vendor == "postgresql":
+        return " FOR SHARE"
+    if connection.vendor == "mysql":
+        return " LOCK IN SHARE MODE"
+    return ""
+
+
+def owner_check_sql(connection: BaseDatabaseWrapper) -> str:
+    """The locking read that proves, inside the writing transaction, the lease is current."""
+    return (
+        f"SELECT 1 FROM {LOCK_TABLE} WHERE name = %s AND owner = %s AND token = %s "
+        f"AND expires_us > {db.now_sql(connection)}{_share_lock(connection)}"
+    )
+
+
+class LeaseHolds(_Condition):
+    """The ownership check inside the write's own statement (PostgreSQL only).
+
+    ``(SELECT distlock_holds(name, owner, token))`` — migration 0007's function, the same
+    locking read as :func:`owner_check_sql`. Uncorrelated, so PostgreSQL evaluates it once
+    per statement (an InitPlan) before the first row is written; its FOR SHARE row lock
+    lasts until the statement's transaction ends, and a lock row changed meanwhile is
+    re-checked in its latest version.
+    """
+
+    def __init__(self, name: str, owner: str, token: int) -> None:
+        super().__init__()
+        self.params = [name, owner, token]
+
+    def as_sql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
+    ) -> tuple[str, list[Any]]:
+        return "(SELECT distlock_holds(%s, %s, %s::bigint))", list(self.params)
+
+
+def folded_check(model: type[models.Model], lease: Lease, using: str) -> LeaseHolds | None:
+    """The ownership check as a WHERE condition, when the write can carry it; else None.
+
+    Only on PostgreSQL (MariaDB cannot lock rows in an UPDATE's subquery the same way,
+    SQLite's write lock already covers the transaction) and only in autocommit: inside
+    the caller's ``atomic()`` the savepoint path keeps everything the save does, signal
+    receivers included, inside the fenced write.
+    """
+    connection = connections[using]
+    if (
+        connection.vendor != "postgresql"
+        or not connection.get_autocommit()
+        or not _checks_ownership(model, lease, using)
+    ):
+        return None
+    return LeaseHolds(lease.name, lease.owner, lease.token)
+
+
+# -- the check and the transaction ------------------------------------------------------
+
+
+def _checks_ownership(model: type[models.Model], lease: Lease, using: str) -> bool:
+    """True if writes of ``model`` on ``using`` check the lease's lock row."""
+    return bool(model.fence_check_ownership) and db.same_database(  # type: ignore[attr-defined]
+        using, lease.using
+    )
+
+
+def _owner_check(connection: BaseDatabaseWrapper, lease: Lease) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(owner_check_sql(connection), [lease.name, lease.owner, lease.token])
+        if cursor.fetchone() is None:
+            raise Refused(by_owner_check=True)
+
+
+def lease_is_current(lease: Lease, using: str) -> bool:
+    """After a folded write matched nothing: did the ownership check fail? (message only)"""
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        return db.holds(connection, cursor, lease.name, lease.owner, lease.token)
+
+
+def current_grant(lease: Lease) -> str:
+    """A few words on who holds the lock now, for the StaleToken message."""
+    row = (
+        apps.get_model("distlock", "Lock").objects.using(lease.using).filter(name=lease.name)
+        .values_list("token", "owner").first()
+    )
+    if row is None:
+        return "the lock row no longer exists"
+    token, owner = row
+    if token != lease.token:
+        return f"the lock was granted again since (current token {token})"
+    if owner != lease.owner:
+        return "the lease was released or broken"
+    return "the lease expired by the database clock"
+
+
+def fenced(
+    model: type[models.Model], lease: Lease, using: str,
+    write: Callable[[LeaseHolds | None], T],
+    row_token: Callable[[], int | None], what: str, *, one_statement: bool = False,
+) -> T:
+    """Run ``write(folded)`` under the ownership check and report a refusal.
+
+    A ``one_statement`` write is handed the check as a condition (``folded``) to put in
+    its own statement's WHERE where :func:`folded_check` allows; otherwise it runs in a
+    transaction on ``using`` after a separate locking read, with ``folded=None``.
+    ``write`` raises Refused when its conditional statement matched nothing; nothing is
+    kept, then the refusal is reported (``row_token()`` reads the row's token for the
+    message only: the decision was the database's).
+    """
+    folded = folded_check(model, lease, using) if one_statement else None
+    checked = folded is None and _checks_ownership(model, lease, using)
+    # The check's row lock outlives this call when the caller's transaction goes on.
+    outlives = checked and db.in_transaction(connections[using])
+    try:
+        if folded is not None:
+            return write(folded)
+        db.join_manual_transaction(connections[using])
+        try:
+            with transaction.atomic(using=using):
+                if checked:
+                    _owner_check(connections[using], lease)
+                return write(None)
+        finally:
+            if outlives:
+                uncommitted.remember(lease.name, using)
+    except Refused as refused:
+        _report(model, lease, refused, row_token(), what)
+    except OtherLock as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _report(
+    model: type[models.Model], lease: Lease, refused: Refused, token: int | None, what: str,
+) -> NoReturn:
+    """Raise what a refused write means: StaleToken (the lease is marked lost and
+    ``stale_write_refused`` is sent), or ValueError for a row of another lock."""
+    if not refused.by_owner_check and token is not None and token <= lease.token:
+        # The token would have passed: the row's lock name (as stored) did not.
+        raise ValueError(
+            f"lease for lock {lease.name!r} cannot fence {what}: the row as stored is "
+            "guarded by another lock (moving a row to another lock's name is refused)"
+        ) from None
+    if refused.by_owner_check:
+        why = current_grant(lease)
+    elif token is None:
+        why = "the row no longer exists"
+    else:
+        why = "a newer lease has written the row"
+    message = (
+        f"stale write to {what} refused: lease for lock {lease.name!r} has token "
+        f"{lease.token}, the row's token is {'none' if token is None else token}; {why}"
+    )
+    if refused.by_owner_check or token is not None:
+        lease._lose(f"a fenced write was refused: {why}")
+    signals.stale_write_refused.send(sender=model, lease=lease, instance_token=token)
+    raise StaleToken(message) from None
