@@ -13,7 +13,7 @@ from typing import Any
 from django.db import connections, models
 from django.db.models.expressions import RawSQL
 
-from distlock.db import now_sql
+from distlock.backends import backend_for
 from distlock.models import Lock, from_us
 
 HELD = "held"
@@ -24,7 +24,8 @@ STATES = (HELD, EXPIRED, FREE)
 
 def database_now(alias: str) -> RawSQL:
     """An expression for the database server's clock in epoch microseconds."""
-    return RawSQL(now_sql(connections[alias]), [], output_field=models.BigIntegerField())
+    now = backend_for(connections[alias]).now_sql()
+    return RawSQL(now, [], output_field=models.BigIntegerField())
 
 
 def state_case(alias: str) -> models.Case:
