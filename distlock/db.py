@@ -20,6 +20,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends import backend_for
+from distlock.backends.base import Backend
 from distlock.exceptions import TransactionNotAllowed
 
 # Serialization failures and deadlocks abort the whole transaction: safe to run it again.
@@ -56,7 +57,7 @@ def same_database(alias: str, other: str) -> bool:
     return same_settings(connections[alias].settings_dict, connections[other].settings_dict)
 
 
-def refuse_atomic(connection: BaseDatabaseWrapper) -> None:
+def refuse_atomic(connection: BaseDatabaseWrapper, backend: Backend | None = None) -> None:
     """Raise TransactionNotAllowed if a lock operation on this connection could not commit
     on its own: inside atomic(), or with autocommit off (set_autocommit(False)).
 
@@ -65,7 +66,7 @@ def refuse_atomic(connection: BaseDatabaseWrapper) -> None:
     forever (until the busy timeout).
     """
     alias = connection.alias
-    backend = backend_for(connection)
+    backend = backend or backend_for(connection)
     if backend.single_writer and not in_transaction(connection):
         for other in connections.all(initialized_only=True):
             if other.alias != alias and in_transaction(other):
@@ -112,9 +113,9 @@ def run(alias: str, operation: str, *args: Any) -> Any:
     database resolves by aborting it (REPEATABLE READ on PostgreSQL, gap locks on MariaDB).
     """
     connection = connections[alias]
-    refuse_atomic(connection)
-    _drop_if_broken(connection)
     backend = backend_for(connection)
+    refuse_atomic(connection, backend)
+    _drop_if_broken(connection)
     method = getattr(backend, operation)
     # An operation that is one statement on this database is its own transaction in
     # autocommit mode: no BEGIN and COMMIT round trips around it.
