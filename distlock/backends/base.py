@@ -251,7 +251,9 @@ class Backend:
             "token, acquired_us, expires_us", name,
         )
         if granted is not None:
-            return Grant(*granted, took_over=current_holder if current_owner else "")
+            new_token, acquired_us, new_expires_us = granted
+            took_over = current_holder if current_owner else ""
+            return Grant(new_token, acquired_us, new_expires_us, took_over=took_over)
         return Busy(token, current_holder, max(0, expires_us - self.now(cursor)))
 
     def acquire_new(
