@@ -36,13 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
 from benchmarks import run  # noqa: E402
-from distlock import db  # noqa: E402
+from distlock.backends import postgresql  # noqa: E402
+from distlock.backends.base import Grant  # noqa: E402
 
 HOLDER = "bench pid=0 thread=MainThread"  # as long as distlock's own holder text
+PG = postgresql.PostgreSQL()
 
 
 class SqlFunctions(c._Psycopg):
-    """distlock's own statements (db._pg_acquire, db._pg_release) on a raw psycopg
+    """distlock's own statements (distlock_acquire, distlock_release) on a raw psycopg
     connection, every statement prepared, the release not durable (the defaults)."""
 
     label = "distlock's SQL functions, raw psycopg"
@@ -53,11 +55,11 @@ class SqlFunctions(c._Psycopg):
 
     def try_acquire(self, name: str) -> Any:
         owner = os.urandom(16).hex()
-        result = db._pg_acquire(self.cur, name, owner, HOLDER, c.TTL_S * 1_000_000)
-        return (name, owner, result.token) if isinstance(result, db.Grant) else None
+        result = PG.acquire_existing(self.cur, name, owner, HOLDER, c.TTL_S * 1_000_000)
+        return (name, owner, result.token) if isinstance(result, Grant) else None
 
     def release(self, handle: Any) -> None:
-        db._pg_release(self.cur, *handle, False)
+        postgresql.release(self.cur, *handle, False)
 
 
 class SqlFunctionsOnDjango(SqlFunctions):

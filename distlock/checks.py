@@ -7,21 +7,10 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
-from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock.backends import backend_named
 from distlock.conf import conf
-from distlock.validation import MAX_SECONDS
-
-SUPPORTED_VENDORS = ("postgresql", "mysql", "sqlite")
-
-
-def _positive(value: Any) -> bool:
-    # Compared, not passed to math.isfinite(), which raises OverflowError for an int too
-    # large for a float; NaN fails both comparisons and infinity the upper bound.
-    return (
-        isinstance(value, int | float) and not isinstance(value, bool)
-        and 0 < value <= MAX_SECONDS
-    )
+from distlock.validation import positive_seconds
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
@@ -35,19 +24,19 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             id="distlock.E001",
         ))
     for name in ("DEFAULT_TTL", "MAX_TTL", "POLL_INTERVAL", "POLL_MAX_INTERVAL"):
-        if not _positive(getattr(conf, name)):
+        if not positive_seconds(getattr(conf, name)):
             errors.append(Error(
                 f"DISTLOCK_{name} must be a positive, finite number of seconds.",
                 id="distlock.E005",
             ))
     timeout = conf.DEFAULT_TIMEOUT
-    if timeout is not None and not (_positive(timeout) or timeout == 0):
+    if timeout is not None and not (positive_seconds(timeout) or timeout == 0):
         errors.append(Error(
             "DISTLOCK_DEFAULT_TIMEOUT must be None or a non-negative number of seconds.",
             id="distlock.E005",
         ))
     fraction = conf.RENEW_FRACTION
-    if not (_positive(fraction) and fraction < 1):
+    if not (positive_seconds(fraction) and fraction < 1):
         errors.append(Error(
             "DISTLOCK_RENEW_FRACTION must be a number between 0 and 1 (exclusive).",
             id="distlock.E005",
@@ -56,37 +45,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         if not isinstance(getattr(conf, key), bool):
             errors.append(Error(f"DISTLOCK_{key} must be True or False.", id="distlock.E005"))
     if (
-        _positive(conf.DEFAULT_TTL) and _positive(conf.MAX_TTL)
+        positive_seconds(conf.DEFAULT_TTL) and positive_seconds(conf.MAX_TTL)
         and conf.DEFAULT_TTL > conf.MAX_TTL
     ):
         errors.append(Error(
             "DISTLOCK_DEFAULT_TTL is larger than DISTLOCK_MAX_TTL.", id="distlock.E005",
         ))
     return errors
-
-
-def exact_collation(collation: str) -> bool:
-    """Does this MariaDB/MySQL collation compare strings byte for byte?
-
-    Only a binary collation that is also NO PAD does: ``utf8mb4_bin`` is binary but PAD
-    SPACE, so ``'lock'`` and ``'lock '`` are equal in it. MariaDB spells NO PAD
-    ``_nopad_``; MySQL 8's ``utf8mb4_0900_bin`` is NO PAD, as all its ``_0900_`` ones are.
-    """
-    return collation == "binary" or (
-        collation.endswith("_bin") and ("_nopad_" in collation or "_0900_" in collation)
-    )
-
-
-def name_collation(connection: BaseDatabaseWrapper) -> str | None:
-    """The collation the lock table's ``name`` column really has (None: no table yet)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT COLLATION_NAME FROM information_schema.COLUMNS WHERE "
-            "TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'distlock_lock' "
-            "AND COLUMN_NAME = 'name'"
-        )
-        row = cursor.fetchone()
-    return None if row is None else str(row[0])
 
 
 def check_database(
@@ -102,9 +67,10 @@ def check_database(
     if alias not in settings.DATABASES:
         return []  # reported by E001
     connection = connections[alias]
+    backend = backend_named(connection.vendor)
     collation = None
-    if connection.vendor == "mysql" and alias in (databases or ()):
-        collation = name_collation(connection)
+    if backend is not None and alias in (databases or ()):
+        collation = backend.name_collation(connection)
     return database_messages(
         alias, connection.vendor, connection.settings_dict, name_collation=collation
     )
@@ -116,35 +82,21 @@ def database_messages(
 ) -> list[CheckMessage]:
     """The backend checks for one DATABASES entry (separate from connections, for tests).
 
-    ``name_collation`` is the collation of the lock table's name column on MariaDB/MySQL,
-    if it was looked up.
+    ``name_collation`` is the collation of the lock table's name column where the backend
+    looked it up (MariaDB/MySQL). The vendor's own checks are its backend's.
     """
-    options = settings_dict.get("OPTIONS", {})
     messages: list[CheckMessage] = []
-    if vendor not in SUPPORTED_VENDORS:
+    backend = backend_named(vendor)
+    if backend is None:
         messages.append(Error(
             f"distlock does not support the {vendor!r} backend (database {alias!r}).",
             hint="Use PostgreSQL, MariaDB/MySQL or SQLite for the lock table.",
             id="distlock.E002",
         ))
-    if vendor == "sqlite":
-        if str(options.get("transaction_mode", "")).upper() != "IMMEDIATE":
-            messages.append(Error(
-                f"SQLite database {alias!r} does not use IMMEDIATE transactions.",
-                hint=(
-                    'Set DATABASES[...]["OPTIONS"]["transaction_mode"] = "IMMEDIATE". '
-                    "A DEFERRED transaction that reads and then writes fails at once with "
-                    "'database is locked' instead of waiting for the lock holder."
-                ),
-                id="distlock.E003",
-            ))
-        timeout = options.get("timeout")
-        if not _positive(timeout):
-            messages.append(Error(
-                f"SQLite database {alias!r} has no busy timeout.",
-                hint='Set DATABASES[...]["OPTIONS"]["timeout"] to seconds to wait, e.g. 20.',
-                id="distlock.E004",
-            ))
+    else:
+        messages.extend(
+            backend.check_messages(alias, settings_dict, name_collation=name_collation)
+        )
     if settings_dict.get("ATOMIC_REQUESTS"):
         messages.append(Warning(
             f"Database {alias!r} holds the lock table and has ATOMIC_REQUESTS = True, so "
@@ -156,45 +108,7 @@ def database_messages(
             ),
             id="distlock.W001",
         ))
-    if vendor == "mysql":
-        messages.extend(_inexact_names(alias, options, name_collation))
     return messages
-
-
-def _inexact_names(
-    alias: str, options: dict[str, Any], collation: str | None
-) -> list[CheckMessage]:
-    """distlock.W002: on MariaDB/MySQL, would two different lock names be one lock?
-
-    Two ways: a name column whose collation folds case, accents or trailing spaces (the
-    migration gives it a binary NO PAD one; a hand-made or converted table may not have
-    it), or a connection charset other than utf8mb4, in which characters outside the
-    Basic Multilingual Plane cannot be sent (they fail, or become "?" outside strict
-    mode). Django (5.2+) connects with utf8mb4 unless OPTIONS say otherwise, so a
-    missing "charset" is fine.
-    """
-    problems = []
-    charset = options.get("charset", "utf8mb4")
-    if charset != "utf8mb4":
-        problems.append(
-            f"the connection charset is {charset!r}, in which characters such as emoji "
-            "cannot be sent (names with them fail, or collide as '?')"
-        )
-    if collation is not None and not exact_collation(collation):
-        problems.append(
-            f"distlock_lock.name has the collation {collation}, which folds case, accents "
-            "or trailing spaces ('lock', 'LOCK' and 'lóck' would be one lock)"
-        )
-    if not problems:
-        return []
-    return [Warning(
-        f"MySQL/MariaDB database {alias!r} would not keep lock names apart exactly: "
-        + "; ".join(problems) + ".",
-        hint='Leave OPTIONS["charset"] unset (Django uses utf8mb4) or set it to "utf8mb4"; '
-        "give distlock_lock.name a binary NO PAD collation (utf8mb4_nopad_bin on MariaDB, "
-        "utf8mb4_0900_bin on MySQL), as distlock's migration creates it.",
-        id="distlock.W002",
-    )]
 
 
 def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:

@@ -12,6 +12,8 @@ from datetime import datetime
 from django.db import connections, transaction
 
 from distlock import db, signals, uncommitted
+from distlock.backends import backend_for
+from distlock.backends.base import Grant
 from distlock.conf import conf
 from distlock.exceptions import LockLost
 from distlock.times import from_us
@@ -124,13 +126,14 @@ class Lease:
             if self._lost_reason is not None:
                 raise LockLost(self.name, self.token, self._lost_reason)
             started = time.monotonic()
-            result = db.run(
-                self.using, db.renew, self.name, self.owner, self.token, round(seconds * 1e6)
+            result: Grant | str = db.run(
+                self.using, "renew", self.name, self.owner, self.token, round(seconds * 1e6)
             )
             if isinstance(result, str):
                 self._lose(result)
                 raise LockLost(self.name, self.token, result)
-            self._deadline = started + seconds - db.clock_resolution(connections[self.using])
+            resolution = backend_for(connections[self.using]).clock_resolution
+            self._deadline = started + seconds - resolution
             self.ttl = seconds
             self.expires_at = from_us(result.expires_us)
         signals.lock_renewed.send(sender=Lease, lease=self)
@@ -153,7 +156,7 @@ class Lease:
         with self._mutex:
             if self._released:
                 return False
-            held, released_us = db.run(self.using, db.release, self.name, self.owner, self.token)
+            held, released_us = db.run(self.using, "release", self.name, self.owner, self.token)
             # Only now: a release that failed (database down) may be tried again.
             self._released = True
         self._released_by_database(held, released_us)
@@ -176,7 +179,7 @@ class Lease:
         if self._released:
             return False
         # Read first: if the database cannot be reached, nothing has changed yet.
-        held = db.run(self.using, db.holds, self.name, self.owner, self.token)
+        held: bool = db.run(self.using, "holds", self.name, self.owner, self.token)
         self._released = True
         # Stopped but not joined, for the same reason; the helper joins it.
         renewer, self._renewer = self._renewer, None
@@ -230,7 +233,7 @@ class _DeferredRelease(threading.Thread):
                 self.renewer.stop()
             with lease._mutex:
                 held, released_us = db.run(
-                    lease.using, db.release, lease.name, lease.owner, lease.token
+                    lease.using, "release", lease.name, lease.owner, lease.token
                 )
             lease._released_by_database(held, released_us)
         except BaseException:  # noqa: BLE001 - nobody to raise to: the lease expires

@@ -21,6 +21,8 @@ from asgiref.sync import iscoroutinefunction
 from django.db import DatabaseError, connections
 
 from distlock import db, signals, uncommitted
+from distlock.backends import backend_for
+from distlock.backends.base import Busy, Grant
 from distlock.conf import conf
 from distlock.exceptions import LockTimeout
 from distlock.leases import Lease, LostCallback, logger
@@ -93,13 +95,15 @@ def refuse_async(func: object, decorator: str) -> None:
     )
 
 
-def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> db.Grant | db.Busy:
+def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> Grant | Busy:
     try:
         while True:
-            result = db.run(alias, db.acquire_existing, name, owner, holder, ttl_us)
+            result: Grant | Busy | None = db.run(
+                alias, "acquire_existing", name, owner, holder, ttl_us
+            )
             if result is not None:
                 return result
-            created = db.run(alias, db.acquire_new, name, owner, holder, ttl_us)
+            created: Grant | None = db.run(alias, "acquire_new", name, owner, holder, ttl_us)
             if created is not None:
                 return created
             # Another process created the row between our two transactions: go round
@@ -109,12 +113,12 @@ def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> db
         # innodb_lock_wait_timeout) shorter than another transaction's hold on the lock
         # row: that is contention, so busy (retried within acquire's own timeout), not
         # an error. The aborted try wrote nothing.
-        if not db.lock_wait_cut_short(connections[alias], exc):
+        if not backend_for(connections[alias]).lock_wait_cut_short(exc):
             raise
-        return db.Busy(token=0, holder="", remaining_us=None)
+        return Busy(token=0, holder="", remaining_us=None)
 
 
-def _pause(attempt: int, busy: db.Busy, left: float | None) -> float:
+def _pause(attempt: int, busy: Busy, left: float | None) -> float:
     """Jittered exponential back-off, never past the deadline or the holder's expiry."""
     base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
     pause: float = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
@@ -175,7 +179,7 @@ def acquire(
             # never later than the one the database computes.
             started = time.monotonic()
             result = _try_once(alias, name, owner, description, ttl_us)
-            if isinstance(result, db.Grant):
+            if isinstance(result, Grant):
                 break
             left = None if give_up is None else give_up - time.monotonic()
             if not blocking or (left is not None and left <= 0):
@@ -193,7 +197,7 @@ def acquire(
         name, owner, result.token, using=alias, ttl=seconds,
         expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
         holder=description,
-        deadline=started + seconds - db.clock_resolution(connections[alias]),
+        deadline=started + seconds - backend_for(connections[alias]).clock_resolution,
     )
     signals.lock_acquired.send(sender=Lease, lease=lease, took_over=result.took_over)
     if auto_renew:
@@ -360,7 +364,7 @@ def break_lock(
         check_token(token)
     alias = check_using(using)
     uncommitted.refuse_if_holding(name, alias, f"breaking lock {name!r}")
-    broken = db.run(alias, db.break_lock, name, owner, token)
+    broken: tuple[str, int, str] | None = db.run(alias, "break_lock", name, owner, token)
     if broken is None:
         return False
     signals.lock_broken.send(
@@ -381,4 +385,5 @@ def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) 
         raise ValueError(f"idle must not be negative, not {seconds}")
     alias = check_using(using)
     uncommitted.refuse_if_holding(None, alias, "purging locks")
-    return db.run(alias, db.purge, round(seconds * 1e6))
+    purged: int = db.run(alias, "purge", round(seconds * 1e6))
+    return purged

@@ -14,6 +14,7 @@ from typing import Any
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock.backends import backend_named
 from distlock.constants import (
     EVENT_TABLE,
     HOLDER_LENGTH,
@@ -34,9 +35,10 @@ class LockNameField(models.CharField):
 
     def db_parameters(self, connection: BaseDatabaseWrapper) -> dict[str, Any]:
         params = super().db_parameters(connection)
-        if connection.vendor == "mysql":
-            mariadb = getattr(connection, "mysql_is_mariadb", False)
-            params["collation"] = "utf8mb4_nopad_bin" if mariadb else "utf8mb4_0900_bin"
+        backend = backend_named(connection.vendor)
+        collation = None if backend is None else backend.name_field_collation(connection)
+        if collation is not None:
+            params["collation"] = collation
         return params
 
 

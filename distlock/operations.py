@@ -20,21 +20,10 @@ from typing import Any
 
 from django.db.migrations.operations.base import Operation
 
+from distlock.backends import backend_named
+from distlock.backends.base import Backend
+from distlock.backends.postgresql import fence_trigger_name
 from distlock.constants import FENCE_FIELD
-
-FUNCTION = "distlock_refuse_lower_fence_token"
-
-_FUNCTION_SQL = f"""
-CREATE OR REPLACE FUNCTION {FUNCTION}() RETURNS trigger AS $$
-BEGIN
-    -- TG_ARGV[0] is the column name; the trigger's WHEN clause already compared it.
-    RAISE EXCEPTION 'distlock: an UPDATE of % would lower %.% from % to %',
-        TG_TABLE_NAME, TG_TABLE_NAME, TG_ARGV[0],
-        to_jsonb(OLD) ->> TG_ARGV[0], to_jsonb(NEW) ->> TG_ARGV[0]
-        USING ERRCODE = 'check_violation';
-END
-$$ LANGUAGE plpgsql
-"""
 
 
 class RefuseLowerFenceToken(Operation):
@@ -55,49 +44,41 @@ class RefuseLowerFenceToken(Operation):
     def state_forwards(self, app_label: str, state: Any) -> None:
         pass  # no model state changes
 
-    def _target(self, app_label: str, schema_editor: Any, state: Any) -> Any:
+    def _target(
+        self, app_label: str, schema_editor: Any, state: Any
+    ) -> tuple[Backend, Any] | None:
+        """(backend, model) if the trigger belongs on this database, else None."""
         model = state.apps.get_model(app_label, self.model_name)
         connection = schema_editor.connection
-        if connection.vendor != "postgresql":
+        backend = backend_named(connection.vendor)
+        if backend is None or not backend.fence_trigger:
             return None
         if not self.allow_migrate_model(connection.alias, model):
             return None
-        return model
+        return backend, model
 
     @staticmethod
     def trigger_name(table: str) -> str:
-        return f"{table}_fence_token_up"[:63]
+        return fence_trigger_name(table)
 
     def database_forwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        model = self._target(app_label, schema_editor, to_state)
-        if model is None:
+        target = self._target(app_label, schema_editor, to_state)
+        if target is None:
             return
-        quote = schema_editor.quote_name
-        table = model._meta.db_table
-        column = quote(model._meta.get_field(FENCE_FIELD).column)
-        schema_editor.execute(_FUNCTION_SQL, None)  # None: its % are not placeholders
-        schema_editor.execute(
-            f"DROP TRIGGER IF EXISTS {quote(self.trigger_name(table))} ON {quote(table)}"
-        )
-        schema_editor.execute(
-            f"CREATE TRIGGER {quote(self.trigger_name(table))} BEFORE UPDATE OF {column} "
-            f"ON {quote(table)} FOR EACH ROW WHEN (NEW.{column} < OLD.{column}) "
-            f"EXECUTE FUNCTION {FUNCTION}('{model._meta.get_field(FENCE_FIELD).column}')"
-        )
+        backend, model = target
+        column = model._meta.get_field(FENCE_FIELD).column
+        backend.install_fence_trigger(schema_editor, model._meta.db_table, column)
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        model = self._target(app_label, schema_editor, from_state)
-        if model is None:
+        target = self._target(app_label, schema_editor, from_state)
+        if target is None:
             return
-        quote = schema_editor.quote_name
-        table = model._meta.db_table
-        schema_editor.execute(
-            f"DROP TRIGGER IF EXISTS {quote(self.trigger_name(table))} ON {quote(table)}"
-        )
+        backend, model = target
+        backend.drop_fence_trigger(schema_editor, model._meta.db_table)
 
     def describe(self) -> str:
         return f"Refuse UPDATEs lowering {self.model_name}.{FENCE_FIELD} (PostgreSQL trigger)"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 from django.db import connections, models
 from django.db.models.expressions import RawSQL
 
-from distlock.db import now_sql
+from distlock.backends import backend_for
 from distlock.models import Lock
 from distlock.times import from_us
 
@@ -41,7 +41,8 @@ LockWithState: TypeAlias = "WithAnnotations[Lock, StateAnnotations]"
 
 def database_now(alias: str) -> RawSQL:
     """An expression for the database server's clock in epoch microseconds."""
-    return RawSQL(now_sql(connections[alias]), [], output_field=models.BigIntegerField())
+    now = backend_for(connections[alias]).now_sql()
+    return RawSQL(now, [], output_field=models.BigIntegerField())
 
 
 def state_case(alias: str) -> models.Case:

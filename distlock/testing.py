@@ -10,11 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.backends.utils import CursorWrapper
-
 from distlock import db
-from distlock.constants import LOCK_TABLE
 from distlock.leases import Lease
 from distlock.locks import acquire
 from distlock.validation import Seconds
@@ -41,17 +37,6 @@ def hold_lock(
         lease.release()
 
 
-def _expire(
-    connection: BaseDatabaseWrapper, cursor: CursorWrapper, name: str, owner: str, token: int
-) -> int:
-    cursor.execute(
-        f"UPDATE {LOCK_TABLE} SET expires_us = {db.now_sql(connection)} "
-        "WHERE name = %s AND owner = %s AND token = %s",
-        [name, owner, token],
-    )
-    return int(cursor.rowcount)
-
-
 def make_stale(lease: Lease) -> None:
     """End ``lease`` in the database now, as if its holder had paused past its ttl.
 
@@ -60,7 +45,7 @@ def make_stale(lease: Lease) -> None:
     are refused by the ownership check and anyone may acquire the lock. Raises
     ValueError if the lease is not the lock's current grant.
     """
-    if db.run(lease.using, _expire, lease.name, lease.owner, lease.token) != 1:
+    if db.run(lease.using, "expire", lease.name, lease.owner, lease.token) != 1:
         raise ValueError(f"{lease!r} is not the current grant of lock {lease.name!r}")
 
 

@@ -100,6 +100,16 @@ def check_seconds(value: object, what: str, *, hint: str = "") -> float:
     return float(seconds_exact)
 
 
+def positive_seconds(value: object) -> bool:
+    """Is ``value`` a setting's number of seconds: positive, finite, not a bool?"""
+    # Compared, not passed to math.isfinite(), which raises OverflowError for an int too
+    # large for a float; NaN fails both comparisons and infinity the upper bound.
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool)
+        and 0 < value <= MAX_SECONDS
+    )
+
+
 def check_ttl(ttl: object) -> float:
     """Return the lease length in seconds (the default when ``ttl`` is None)."""
     if ttl is None:

@@ -22,6 +22,7 @@ from typing import Any
 from django.db import DatabaseError, connections
 
 from distlock import db
+from distlock.backends import backend_for
 from distlock.conf import conf
 
 
@@ -33,12 +34,9 @@ class Waiter:
         self.name = name
         self.connection = connections[alias]
         self.raw: Any = None
-        if (
-            conf.WAKEUPS
-            and self.connection.vendor == "postgresql"
-            and db._is_psycopg3()
-        ):
-            db.run(alias, db.listen, name)
+        self.backend = backend_for(self.connection)
+        if conf.WAKEUPS and self.backend.supports_wakeups():
+            db.run(alias, "listen", name)
             self.raw = self.connection.connection
 
     @property
@@ -51,10 +49,7 @@ class Waiter:
         if not self.listening:
             time.sleep(seconds)
             return
-        # Only this lock's channel is listened to, so any notification is for it.
-        with self.connection.wrap_database_errors:
-            for _ in self.raw.notifies(timeout=seconds, stop_after=1):
-                break
+        self.backend.wait_for_wakeup(self.connection, seconds)
 
     def stop(self) -> None:
         """Stop listening (the acquire got the lock, gave up or failed)."""
@@ -62,5 +57,5 @@ class Waiter:
             # A connection that broke meanwhile dropped the LISTEN and the advisory lock
             # with its session; the next operation replaces it.
             with contextlib.suppress(DatabaseError):
-                db.run(self.alias, db.unlisten, self.name)
+                db.run(self.alias, "unlisten", self.name)
         self.raw = None

@@ -111,9 +111,9 @@ def folding_name_column(lock_db: str):
     """
     if connection.vendor != "mysql":
         pytest.skip(f"MariaDB/MySQL only: column collations (this run: {connection.vendor})")
-    from distlock.checks import name_collation
+    from distlock.backends import backend_for
 
-    original = name_collation(connection)
+    original = backend_for(connection).name_collation(connection)
     folding = "utf8mb4_general_ci"
     alter = (
         "ALTER TABLE distlock_lock MODIFY name varchar(255) "

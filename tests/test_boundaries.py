@@ -3,7 +3,7 @@
 One half-open definition must hold everywhere: a lease is valid while ``now < expires``
 and may be taken over once ``now >= expires``, so there is no instant at which both the
 old holder's fenced write and a new grant are allowed. The database clock expression
-(``distlock.db.now_sql``) is replaced in this process by a literal, and every operation
+(the backend's ``now_sql()``) is replaced in this process by a literal, and every operation
 is tried at ``expires - 1 µs`` and at ``expires``.
 
 On PostgreSQL acquire, renew and release are server-side functions that read
@@ -22,7 +22,8 @@ import pytest
 from django.db import connections, transaction
 from django.db.models import F
 
-from distlock import LockLost, acquire, db
+from distlock import LockLost, acquire
+from distlock.backends import backend_for
 from distlock.exceptions import StaleToken
 from distlock.models import Lock
 from tests.stressapp.models import Resource
@@ -40,12 +41,13 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
     pinned = Clock()
-    real = db.now_sql
+    backend = backend_for(connections["default"])
+    real = backend.now_sql
 
-    def now_sql(connection):
-        return real(connection) if pinned.us is None else str(pinned.us)
+    def now_sql():
+        return real() if pinned.us is None else str(pinned.us)
 
-    monkeypatch.setattr(db, "now_sql", now_sql)
+    monkeypatch.setattr(backend, "now_sql", now_sql)
     yield pinned
 
 

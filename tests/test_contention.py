@@ -10,7 +10,9 @@ import pytest
 from django.db import connections
 
 from distlock import acquire
-from distlock.db import TABLE, db_now_us, now_sql
+from distlock.backends import backend_for
+from distlock.constants import LOCK_TABLE as TABLE
+from distlock.db import db_now_us
 from distlock.models import Lock
 from tests.support.processes import LIBFAKETIME, skewed_clock_env
 
@@ -126,7 +128,7 @@ def test_grant_after_a_row_lock_wait_is_not_expired_at_birth(lock_db):
         blocked.set()
         # The scenario itself: hold the row three times longer than the ttl asked for.
         time.sleep(1.5)
-        cursor.execute(f"SELECT {now_sql(blocker)}", [])
+        cursor.execute(f"SELECT {backend_for(blocker).now_sql()}", [])
         released_us = cursor.fetchone()[0]
     blocker.commit()
     blocker.close()

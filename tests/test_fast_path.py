@@ -17,7 +17,8 @@ from django.db import DatabaseError, connection, connections
 from django.test.utils import CaptureQueriesContext
 
 from distlock import LockLost, acquire, break_lock
-from distlock import db as distlock_db
+from distlock.backends import backend_for
+from distlock.backends.postgresql import _BoundCursor
 from distlock.models import Lock
 from tests.support.helpers import wait_expired
 
@@ -69,11 +70,10 @@ def test_execute_wrappers_see_the_lock_statements():
 @postgresql_only
 def test_the_lean_cursor_is_used_only_when_nobody_watches():
     connection.ensure_connection()
-    assert isinstance(distlock_db._statement_cursor(connection), distlock_db._BoundCursor)
+    backend = backend_for(connection)
+    assert isinstance(backend.statement_cursor(connection), _BoundCursor)
     with CaptureQueriesContext(connection):
-        assert not isinstance(
-            distlock_db._statement_cursor(connection), distlock_db._BoundCursor
-        )
+        assert not isinstance(backend.statement_cursor(connection), _BoundCursor)
 
 
 @postgresql_only

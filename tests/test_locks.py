@@ -21,7 +21,8 @@ from distlock import (
     locked,
     purge_locks,
 )
-from distlock.db import db_now_us, lock_wait_cut_short
+from distlock.backends import backend_for
+from distlock.db import db_now_us
 from distlock.models import Lock
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -355,7 +356,7 @@ def test_a_lock_wait_cut_short_by_the_session_is_busy_not_an_error(
         try:
             return execute(sql, params, many, context)
         except DatabaseError as exc:
-            if lock_wait_cut_short(connection, exc):
+            if backend_for(connection).lock_wait_cut_short(exc):
                 cut_short.append(sql)
                 release.set()  # let the other transaction commit after the first refusal
             raise

@@ -40,7 +40,8 @@ from typing import Any
 from django.db import connections
 
 from distlock import acquire, break_lock
-from distlock.db import TABLE, db_now_us
+from distlock.constants import LOCK_TABLE as TABLE
+from distlock.db import db_now_us
 from tests.stress.checker import Report, Volume, check
 from tests.support.processes import LIBFAKETIME, ROOT, skewed_clock_env
 

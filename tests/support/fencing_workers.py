@@ -79,9 +79,9 @@ def commit_later(model_label: str, pk: Any, ttl: float, note: str) -> None:
         obj.save(fence=lease)
         # Last statement of the transaction, by the database clock.
         with connection.cursor() as cursor:
-            from distlock.db import now_sql
+            from distlock.backends import backend_for
 
-            cursor.execute(f"SELECT {now_sql(connection)}")
+            cursor.execute(f"SELECT {backend_for(connection).now_sql()}")
             last_us = int(cursor.fetchone()[0])
         emit("written", last_us=last_us)
         command()

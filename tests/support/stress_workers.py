@@ -60,16 +60,14 @@ def name_connections(worker: str) -> None:
 
 def weaken_clock(rng: random.Random) -> None:
     """Make this process's acquire use a stale clock (the self-test's weakened build)."""
-    from distlock import db, locks
-    from distlock.constants import LOCK_TABLE
+    from django.db import connections
 
-    real_now_sql = db.now_sql
+    from distlock import db, locks
+    from distlock.backends import backend_for
+    from distlock.backends.base import Backend
+
     frozen = threading.local()
     real_try_once = locks._try_once
-
-    def now_sql(connection: Any) -> str:
-        value = getattr(frozen, "us", None)
-        return real_now_sql(connection) if value is None else str(int(value))
 
     def try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> Any:
         frozen.us = db.db_now_us(alias)
@@ -79,30 +77,17 @@ def weaken_clock(rng: random.Random) -> None:
         finally:
             frozen.us = None
 
-    def acquire_existing(
-        connection: Any, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
-    ) -> Any:
+    for backend in {id(b): b for b in map(backend_for, connections.all())}.values():
+        real_now_sql = backend.now_sql
+
+        def now_sql(real_now_sql: Any = real_now_sql) -> str:
+            value = getattr(frozen, "us", None)
+            return real_now_sql() if value is None else str(int(value))
+
+        backend.now_sql = now_sql  # type: ignore[method-assign]
         # distlock's portable path (PostgreSQL's server-side function reads the real
         # clock itself), deciding with whatever now_sql() says.
-        row = db._lock_row(connection, cursor, name)
-        if row is None:
-            return None
-        token, current_owner, current_holder, expires_us = row
-        now = db.now_sql(connection)
-        granted = db._update_returning(
-            connection, cursor,
-            f"UPDATE {LOCK_TABLE} SET token = token + 1, owner = %s, holder = %s, "
-            f"acquired_us = {now}, renewed_us = NULL, expires_us = {now} + %s, "
-            f"renew_count = 0 WHERE name = %s AND (owner = '' OR expires_us <= {now})",
-            [owner, holder, ttl_us, name],
-            "token, acquired_us, expires_us", name,
-        )
-        if granted is not None:
-            return db.Grant(*granted, took_over=current_holder if current_owner else "")
-        return db.Busy(token, current_holder, max(0, expires_us - int(frozen.us)))
-
-    db.now_sql = now_sql
-    db.acquire_existing = acquire_existing
+        backend.acquire_existing = Backend.acquire_existing.__get__(backend)  # type: ignore[method-assign]
     locks._try_once = try_once
 
 

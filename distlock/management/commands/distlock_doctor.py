@@ -14,12 +14,11 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.checks import exact_collation, name_collation
+from distlock.backends import backend_for, backend_named
+from distlock.backends.base import FAIL, OK, WARN
 from distlock.conf import conf
-from distlock.db import db_now_us
+from distlock.db import db_now_us, same_settings
 from distlock.management.commands._common import lock_alias, parse_seconds
-
-OK, WARN, FAIL = "ok", "warn", "FAIL"
 
 
 def measure_skew(alias: str, samples: int = 5) -> tuple[float, float]:
@@ -39,11 +38,6 @@ def measure_skew(alias: str, samples: int = 5) -> tuple[float, float]:
             best = sample
     assert best is not None
     return best
-
-
-def _same_database(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    keys = ("ENGINE", "NAME", "HOST", "PORT")
-    return all(str(a.get(k) or "") == str(b.get(k) or "") for k in keys)
 
 
 class Command(BaseCommand):
@@ -69,12 +63,8 @@ class Command(BaseCommand):
                       f"({connection.settings_dict.get('NAME')})")
         self._tables(connection)
         self._clock(alias, max_skew)
-        if connection.vendor == "sqlite":
-            self._sqlite(connection)
-        elif connection.vendor == "mysql":
-            self._mysql(connection)
-        elif connection.vendor == "postgresql":
-            self._postgresql(connection)
+        for level, message in backend_for(connection).doctor(connection):
+            self._say(level, message)
         self._independence(alias, connection)
         failures = sum(1 for level, _ in self.results if level == FAIL)
         warnings = sum(1 for level, _ in self.results if level == WARN)
@@ -111,57 +101,6 @@ class Command(BaseCommand):
         else:
             self._say(OK, text)
 
-    def _sqlite(self, connection: BaseDatabaseWrapper) -> None:
-        options = connection.settings_dict.get("OPTIONS", {})
-        mode = str(options.get("transaction_mode", "") or "DEFERRED").upper()
-        if mode == "IMMEDIATE":
-            self._say(OK, "SQLite transaction_mode is IMMEDIATE")
-        else:
-            self._say(FAIL, f"SQLite transaction_mode is {mode}: set OPTIONS['transaction_mode']"
-                            " = 'IMMEDIATE', or contending lockers fail with 'database is "
-                            "locked' instead of waiting")
-        timeout = options.get("timeout")
-        if isinstance(timeout, int | float) and timeout > 0:
-            self._say(OK, f"SQLite busy timeout is {timeout} s")
-        else:
-            self._say(FAIL, "SQLite has no busy timeout: set OPTIONS['timeout'], e.g. 20")
-        with connection.cursor() as cursor:
-            cursor.execute("PRAGMA journal_mode")
-            journal = str(cursor.fetchone()[0]).lower()
-        if journal == "wal":
-            self._say(OK, "SQLite journal_mode is wal")
-        else:
-            self._say(WARN, f"SQLite journal_mode is {journal}: WAL lets readers (the admin) "
-                            "run while a lock is being written")
-
-    def _mysql(self, connection: BaseDatabaseWrapper) -> None:
-        collation = name_collation(connection)
-        with connection.cursor() as cursor:
-            try:
-                cursor.execute("SELECT @@SESSION.transaction_isolation")
-            except Exception:  # noqa: BLE001 - older servers only know tx_isolation
-                cursor.execute("SELECT @@SESSION.tx_isolation")
-            isolation = str(cursor.fetchone()[0])
-        if collation is not None:
-            if exact_collation(collation):
-                self._say(OK, f"distlock_lock.name collation is {collation} (exact names)")
-            else:
-                self._say(FAIL, f"distlock_lock.name collation is {collation}: it folds case, "
-                                "accents or trailing spaces, so different names share a lock;"
-                                " re-run distlock's migrations or ALTER the column to a "
-                                "binary NO PAD collation (utf8mb4_nopad_bin on MariaDB, "
-                                "utf8mb4_0900_bin on MySQL)")
-        level = WARN if isolation.upper().replace("-", " ") == "READ UNCOMMITTED" else OK
-        self._say(level, f"session isolation level is {isolation} (lock operations use "
-                         "locking reads, which see the latest committed row)")
-
-    def _postgresql(self, connection: BaseDatabaseWrapper) -> None:
-        with connection.cursor() as cursor:
-            cursor.execute("SHOW transaction_isolation")
-            isolation = cursor.fetchone()[0]
-        self._say(OK, f"session isolation level is {isolation}; serialization failures "
-                      "are retried")
-
     def _independence(self, alias: str, connection: BaseDatabaseWrapper) -> None:
         for level, message in independence(alias, connection.vendor, settings.DATABASES):
             self._say(level, message)
@@ -182,7 +121,7 @@ def independence(
                               "transaction on it, and distlock refuses to lock inside one"))
     others = [
         other for other in databases
-        if other != alias and _same_database(databases[other], mine)
+        if other != alias and same_settings(databases[other], mine)
     ]
     if not others:
         results.append((WARN, f"the lock alias {alias!r} is the connection your code uses: "
@@ -190,12 +129,15 @@ def independence(
                               "TransactionNotAllowed. Add DATABASES['distlock'] = "
                               f"{{**DATABASES[{alias!r}]}} and DISTLOCK_DATABASE = 'distlock'"
                               " if you need to"))
-    elif vendor == "sqlite":
-        results.append((WARN, f"the lock alias {alias!r} is its own connection, but to the "
-                              f"same SQLite file as {', '.join(map(repr, others))}: SQLite has "
-                              "one writer, so locking inside atomic() there is still refused"))
+    elif warning := _independence_warning(vendor, alias, others):
+        results.append((WARN, warning))
     else:
         results.append((OK, f"the lock alias {alias!r} is its own connection to the database "
                             f"of {', '.join(map(repr, others))}: grants commit on their own, "
                             "also inside your transactions there"))
     return results
+
+
+def _independence_warning(vendor: str, alias: str, others: list[str]) -> str | None:
+    backend = backend_named(vendor)
+    return None if backend is None else backend.independence_warning(alias, others)

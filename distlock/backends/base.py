@@ -1,0 +1,396 @@
+"""What distlock needs from a database, and the portable SQL that provides most of it.
+
+A :class:`Backend` holds every vendor-specific statement and fact; ``postgresql.py``,
+``mysql.py`` and ``sqlite.py`` override what differs from the portable versions here.
+The rest of distlock asks ``backend_for(connection)`` and never tests the vendor.
+
+The lock operations (``acquire_existing`` … ``expire``) are run by
+:func:`distlock.db.run`, each in one short transaction on the lock's database:
+``run(alias, "release", name, owner, token)`` calls ``backend.release(cursor, name,
+owner, token)``. Each operation first takes the lock row with ``SELECT … FOR UPDATE`` (on
+SQLite the ``BEGIN IMMEDIATE`` write lock plays that part), then decides with a
+conditional UPDATE whose time arithmetic reads the database server's real-time clock
+*after* the row lock is held. Never PostgreSQL's ``now()`` or Django's ``Now()``: both
+are frozen before a lock wait, and a lease computed from them can be expired at birth. No
+row lock outlives the operation's transaction, so none is held for the length of a
+critical section.
+
+Times are integer microseconds since the Unix epoch, by the database clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from django.core.checks import CheckMessage
+from django.db import DatabaseError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from distlock.constants import LOCK_TABLE as TABLE
+from distlock.constants import MAX_TOKEN
+from distlock.exceptions import TokenExhausted
+
+# The levels of distlock_doctor's findings.
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A committed grant or renewal, as the database recorded it."""
+
+    token: int
+    acquired_us: int
+    expires_us: int
+    # The holder whose expired lease this grant took over ("" if the lock was free).
+    took_over: str = ""
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Someone else holds the lock; ``remaining_us`` is their lease left by the DB clock.
+
+    ``remaining_us`` is None when that is unknown: the wait for the lock row was cut
+    short by the session's own timeout (see :meth:`Backend.lock_wait_cut_short`).
+    """
+
+    token: int
+    holder: str
+    remaining_us: int | None
+
+
+RENEW_REFUSED = {
+    "missing": "the lock row no longer exists",
+    "changed": "it was released, broken or taken over",
+    "expired": "the lease expired before the renewal reached the database",
+}
+
+
+def exhausted(name: str | None = None) -> TokenExhausted:
+    """The error for a lock (or, with no name, the whole table) out of fencing tokens."""
+    if name is None:
+        return TokenExhausted(f"the lock table has used every fencing token up to {MAX_TOKEN}")
+    return TokenExhausted(f"lock {name!r} has used every fencing token up to {MAX_TOKEN}")
+
+
+class Backend:
+    """One database vendor's SQL and facts. One instance per vendor, shared by threads:
+    it keeps no state of its own (per-connection state lives on the connection)."""
+
+    #: ``connection.vendor`` of the databases this backend serves.
+    vendor: ClassVar[str] = ""
+    #: Seconds by which the database clock may lag real time (it truncates): holders
+    #: subtract this from their local deadline so that it never ends after the database's.
+    clock_resolution: ClassVar[float] = 0.000001
+    #: The clause that makes a SELECT a locking read for writing.
+    for_update: ClassVar[str] = " FOR UPDATE"
+    #: The clause of the fenced writes' ownership check: it conflicts with the FOR UPDATE
+    #: of acquire, renew, release and break, so they wait for the write to commit.
+    share_lock: ClassVar[str] = ""
+    has_update_returning: ClassVar[bool] = True
+    #: Operations that are exactly one statement here: db.run() runs them in autocommit
+    #: mode, where the statement is a transaction by itself, without BEGIN and COMMIT.
+    one_statement: ClassVar[frozenset[str]] = frozenset({"holds"})
+    #: The database has one writer at a time (per file), whatever the connection.
+    single_writer: ClassVar[bool] = False
+    #: The ownership check as a condition a fenced UPDATE can carry in its own WHERE
+    #: (params: name, owner, token), where the database can lock the lock row there.
+    folded_owner_check_sql: ClassVar[str | None] = None
+    #: Whether RefuseLowerFenceToken installs a trigger here (see operations.py).
+    fence_trigger: ClassVar[bool] = False
+
+    # -- SQL fragments and facts ---------------------------------------------------------
+
+    def now_sql(self) -> str:
+        """SQL for the database's real-time clock in epoch microseconds."""
+        raise NotImplementedError
+
+    def insert_if_absent(self, table: str, columns: str, values: str) -> str:
+        """An INSERT of one row that does nothing if its key already exists."""
+        return f"INSERT INTO {table} {columns} {values} ON CONFLICT (name) DO NOTHING"
+
+    def owner_check_sql(self) -> str:
+        """The locking read that proves, inside the writing transaction, the lease is
+        current (params: name, owner, token)."""
+        return (
+            f"SELECT 1 FROM {TABLE} WHERE name = %s AND owner = %s AND token = %s "
+            f"AND expires_us > {self.now_sql()}{self.share_lock}"
+        )
+
+    def name_equals_sql(self, sql: str) -> str:
+        """``sql = %s`` compared exactly, false (not NULL) when ``sql`` is NULL."""
+        return f"COALESCE(({sql}) = %s, 0)"
+
+    def retryable(self, exc: DatabaseError) -> bool:
+        """Did the database abort the whole transaction (serialization failure, deadlock),
+        so that running it again is safe?"""
+        return False
+
+    def lock_wait_cut_short(self, exc: DatabaseError) -> bool:
+        """Did a wait for a row lock end because the session's own timeout said so?
+
+        A connection set up with ``lock_timeout`` or ``statement_timeout`` (PostgreSQL) or
+        ``innodb_lock_wait_timeout`` (MariaDB/MySQL) gives up waiting for a lock row that
+        another transaction holds — an acquire or break in flight, a fenced write's
+        locking read. For acquire that only means "busy" (it tries again within its own
+        timeout, or returns None), not a database failure. It is safe to try again:
+        nothing was written. SQLite has no row locks; its busy timeout ending raises
+        OperationalError as before.
+        """
+        return False
+
+    def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
+        """The cursor for a one-statement operation (the connection is open and autocommit)."""
+        return connection.cursor()
+
+    # -- transactions and connections ----------------------------------------------------
+
+    def join_manual_transaction(self, connection: BaseDatabaseWrapper) -> None:
+        """With autocommit off: make sure the caller's transaction is open before a
+        savepoint would start one of its own (only SQLite needs to)."""
+
+    def refuse_shared_writer(
+        self, connection: BaseDatabaseWrapper, other: BaseDatabaseWrapper
+    ) -> None:
+        """Raise TransactionNotAllowed if ``other``'s open transaction would block every
+        write on ``connection`` (``single_writer`` databases only)."""
+
+    def independence_warning(self, alias: str, others: list[str]) -> str | None:
+        """distlock_doctor: why the lock alias, its own connection to the database of
+        ``others``, still cannot lock inside their transactions (None: it can)."""
+        return None
+
+    # -- wake-ups ------------------------------------------------------------------------
+
+    def supports_wakeups(self) -> bool:
+        """Can a waiting acquire be woken by a release (see wakeups.py)?"""
+        return False
+
+    def wait_for_wakeup(self, connection: BaseDatabaseWrapper, seconds: float) -> None:
+        """Wait up to ``seconds`` for a notification on a connection that listens."""
+        raise NotImplementedError
+
+    # -- schema, checks and the doctor ---------------------------------------------------
+
+    def name_field_collation(self, connection: BaseDatabaseWrapper) -> str | None:
+        """The collation LockNameField asks for, where the default would not compare
+        names exactly (None: the default does)."""
+        return None
+
+    def name_collation(self, connection: BaseDatabaseWrapper) -> str | None:
+        """The collation the live lock table's name column has, where it matters."""
+        return None
+
+    def check_messages(
+        self, alias: str, settings_dict: dict[str, Any], *, name_collation: str | None = None
+    ) -> list[CheckMessage]:
+        """The system checks of this vendor for one DATABASES entry."""
+        return []
+
+    def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
+        """distlock_doctor's probes of this vendor: (level, message) pairs."""
+        return []
+
+    def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
+        raise NotImplementedError
+
+    def drop_fence_trigger(self, schema_editor: Any, table: str) -> None:
+        raise NotImplementedError
+
+    # -- the lock operations (run by db.run) ---------------------------------------------
+
+    def now(self, cursor: Any) -> int:
+        """The database clock, in epoch microseconds."""
+        cursor.execute(f"SELECT {self.now_sql()}", [])
+        return int(cursor.fetchone()[0])
+
+    def lock_row(self, cursor: Any, name: str) -> Any:
+        """(token, owner, holder, expires_us) of row ``name``, locked for writing."""
+        cursor.execute(
+            f"SELECT token, owner, holder, expires_us FROM {TABLE} WHERE name = %s"
+            + self.for_update,
+            [name],
+        )
+        return cursor.fetchone()
+
+    def update_returning(
+        self, cursor: Any, sql: str, params: list[Any], columns: str, name: str
+    ) -> Any:
+        """Run an UPDATE of row ``name``; return ``columns`` of it, or None if it matched
+        nothing.
+
+        The caller holds the row lock, so the follow-up SELECT (where RETURNING is
+        missing) reads exactly what the UPDATE wrote.
+        """
+        if self.has_update_returning:
+            cursor.execute(f"{sql} RETURNING {columns}", params)
+            return cursor.fetchone()
+        cursor.execute(sql, params)
+        if cursor.rowcount == 0:
+            return None
+        cursor.execute(f"SELECT {columns} FROM {TABLE} WHERE name = %s", [name])
+        return cursor.fetchone()
+
+    def acquire_existing(
+        self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Grant | Busy | None:
+        """Take over row ``name`` if it is free or expired. None: the row does not exist."""
+        row = self.lock_row(cursor, name)
+        if row is None:
+            return None
+        token, current_owner, current_holder, expires_us = row
+        if token >= MAX_TOKEN:
+            raise exhausted(name)
+        now = self.now_sql()
+        granted = self.update_returning(
+            cursor,
+            f"UPDATE {TABLE} SET token = token + 1, owner = %s, holder = %s, "
+            f"acquired_us = {now}, renewed_us = NULL, expires_us = {now} + %s, "
+            f"renew_count = 0 WHERE name = %s AND (owner = '' OR expires_us <= {now})",
+            [owner, holder, ttl_us, name],
+            "token, acquired_us, expires_us", name,
+        )
+        if granted is not None:
+            new_token, acquired_us, new_expires_us = granted
+            took_over = current_holder if current_owner else ""
+            return Grant(new_token, acquired_us, new_expires_us, took_over=took_over)
+        return Busy(token, current_holder, max(0, expires_us - self.now(cursor)))
+
+    def acquire_new(
+        self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Grant | None:
+        """Create row ``name`` already granted. None: another process created it first.
+
+        The first token is one above the largest token in the table. Purge never deletes
+        the row holding that largest token, so a purged and re-created name still starts
+        above every token it was ever given.
+        """
+        cursor.execute(f"SELECT COALESCE(MAX(token), 0) FROM {TABLE}", [])
+        top = int(cursor.fetchone()[0])
+        if top >= MAX_TOKEN:
+            raise exhausted()
+        now = self.now_sql()
+        sql = self.insert_if_absent(
+            TABLE,
+            "(name, token, owner, holder, acquired_us, renewed_us, expires_us, renew_count)",
+            f"VALUES (%s, %s, %s, %s, {now}, NULL, {now} + %s, 0)",
+        )
+        cursor.execute(sql, [name, top + 1, owner, holder, ttl_us])
+        if cursor.rowcount != 1:
+            return None
+        cursor.execute(
+            f"SELECT token, acquired_us, expires_us FROM {TABLE} WHERE name = %s", [name]
+        )
+        return Grant(*cursor.fetchone())
+
+    def renew(
+        self, cursor: Any, name: str, owner: str, token: int, ttl_us: int
+    ) -> Grant | str:
+        """Extend the lease of (owner, token). A str says why it cannot be renewed."""
+        row = self.lock_row(cursor, name)
+        if row is None:
+            return RENEW_REFUSED["missing"]
+        if (row[1], row[0]) != (owner, token):
+            return RENEW_REFUSED["changed"]
+        now = self.now_sql()
+        renewed = self.update_returning(
+            cursor,
+            f"UPDATE {TABLE} SET renewed_us = {now}, expires_us = {now} + %s, "
+            f"renew_count = renew_count + 1 "
+            f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {now}",
+            [ttl_us, name, owner, token],
+            "token, renewed_us, expires_us", name,
+        )
+        if renewed is None:
+            return RENEW_REFUSED["expired"]
+        return Grant(*renewed)
+
+    def release(
+        self, cursor: Any, name: str, owner: str, token: int
+    ) -> tuple[bool, int | None]:
+        """Free the lock if (owner, token) is the current grant.
+
+        Returns (was it still held, the release time by the DB clock). An expired lease
+        that nobody took over is cleared as well, but reported as not held.
+        """
+        row = self.lock_row(cursor, name)
+        if row is None or (row[1], row[0]) != (owner, token):
+            return False, None
+        expires_us = row[3]
+        released = self.update_returning(
+            cursor,
+            f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {self.now_sql()} "
+            "WHERE name = %s AND owner = %s AND token = %s",
+            [name, owner, token],
+            "expires_us", name,
+        )
+        released_us = int(released[0])
+        return expires_us > released_us, released_us
+
+    def holds(self, cursor: Any, name: str, owner: str, token: int) -> bool:
+        """True if (owner, token) is the current, unexpired grant. A plain read: it takes
+        no row lock, so it never waits for a transaction that holds the lock row."""
+        cursor.execute(
+            f"SELECT 1 FROM {TABLE} WHERE name = %s AND owner = %s AND token = %s "
+            f"AND expires_us > {self.now_sql()}",
+            [name, owner, token],
+        )
+        return cursor.fetchone() is not None
+
+    def break_lock(
+        self, cursor: Any, name: str, owner: str | None, token: int | None
+    ) -> tuple[str, int, str] | None:
+        """Free a held lock whoever holds it. Returns the broken (owner, token, holder).
+
+        When ``owner`` or ``token`` is given, only that grant is broken: a lock that
+        changed hands since someone looked at it is left alone (None).
+        """
+        row = self.lock_row(cursor, name)
+        if row is None or not row[1]:
+            return None
+        current_token, current_owner, holder, _ = row
+        if owner is not None and owner != current_owner:
+            return None
+        if token is not None and token != current_token:
+            return None
+        cursor.execute(
+            f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {self.now_sql()} "
+            "WHERE name = %s AND token = %s",
+            [name, current_token],
+        )
+        self.broken(cursor, name)
+        return current_owner, current_token, holder
+
+    def broken(self, cursor: Any, name: str) -> None:
+        """After break_lock freed ``name``, in its transaction: wake whoever waits."""
+
+    def purge(self, cursor: Any, idle_us: int) -> int:
+        """Delete rows free or expired for at least ``idle_us``; return how many.
+
+        Keeps the row with the largest token: new rows start above it (see acquire_new).
+        """
+        cursor.execute(f"SELECT COALESCE(MAX(token), 0) FROM {TABLE}", [])
+        top = int(cursor.fetchone()[0])
+        cursor.execute(
+            f"DELETE FROM {TABLE} WHERE token < %s AND expires_us <= {self.now_sql()} - %s",
+            [top, idle_us],
+        )
+        return int(cursor.rowcount)
+
+    def expire(self, cursor: Any, name: str, owner: str, token: int) -> int:
+        """End the grant (owner, token) now, as if its ttl had run out (distlock.testing).
+        Returns the number of rows changed (0: not the current grant)."""
+        cursor.execute(
+            f"UPDATE {TABLE} SET expires_us = {self.now_sql()} "
+            "WHERE name = %s AND owner = %s AND token = %s",
+            [name, owner, token],
+        )
+        return int(cursor.rowcount)
+
+    def listen(self, cursor: Any, name: str) -> None:
+        """Be woken by the next release or break of ``name`` (where supports_wakeups())."""
+        raise NotImplementedError
+
+    def unlisten(self, cursor: Any, name: str) -> None:
+        """Undo :meth:`listen`."""
+        raise NotImplementedError

@@ -1,0 +1,273 @@
+"""PostgreSQL: server-side lock functions, a lean cursor, LISTEN/NOTIFY wake-ups.
+
+Acquire, renew and release are one statement each: the SQL functions of migration 0003
+(``distlock_acquire``, ``distlock_renew``, ``distlock_release``) do the locking read and
+the conditional UPDATE on the server, so db.run() sends them in autocommit mode without
+BEGIN and COMMIT, through a psycopg cursor with server-side binding and prepared
+statements (:class:`_BoundCursor`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+from django.db import DatabaseError
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from distlock.backends.base import OK, RENEW_REFUSED, Backend, Busy, Grant, exhausted
+from distlock.conf import conf
+from distlock.constants import MAX_TOKEN
+
+# Serialization failures and deadlocks abort the whole transaction: safe to run it again.
+_RETRY_SQLSTATES = {"40001", "40P01"}
+# A row-lock wait ended by the session's lock_timeout (55P03 lock_not_available;
+# distlock never uses NOWAIT, the other source of it).
+_LOCK_WAIT_SQLSTATES = {"55P03"}
+# "prepared statement … does not exist" (26000) and "… already exists" (42P05).
+_LOST_PREPARED_SQLSTATES = {"26000", "42P05"}
+_NEVER_BY_COUNT = 2**62
+
+FENCE_FUNCTION = "distlock_refuse_lower_fence_token"
+
+_FENCE_FUNCTION_SQL = f"""
+CREATE OR REPLACE FUNCTION {FENCE_FUNCTION}() RETURNS trigger AS $$
+BEGIN
+    -- TG_ARGV[0] is the column name; the trigger's WHEN clause already compared it.
+    RAISE EXCEPTION 'distlock: an UPDATE of % would lower %.% from % to %',
+        TG_TABLE_NAME, TG_TABLE_NAME, TG_ARGV[0],
+        to_jsonb(OLD) ->> TG_ARGV[0], to_jsonb(NEW) ->> TG_ARGV[0]
+        USING ERRCODE = 'check_violation';
+END
+$$ LANGUAGE plpgsql
+"""
+
+
+def fence_trigger_name(table: str) -> str:
+    return f"{table}_fence_token_up"[:63]
+
+
+class _BoundCursor:
+    """A psycopg cursor with server-side binding, prepared statements and Django's error
+    wrapping.
+
+    Django's own PostgreSQL cursor binds parameters on the client (quoting them into the
+    SQL text) and goes through its cursor wrapper; for a lock operation that is one short
+    statement this is a measurable part of the cost (see benchmarks/). With
+    ``DISTLOCK_PREPARE_STATEMENTS`` (the default) each of distlock's few statements is
+    prepared at its first use on a database session, so the server stops parsing and
+    planning every call; with it False they are prepared as the connection says
+    (``OPTIONS["prepare_threshold"]``; Django's default prepares nothing), which a
+    transaction-pooling PgBouncer older than 1.21 needs.
+    """
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        import psycopg
+
+        self.connection = connection
+        self.raw = connection.connection
+        self.cursor = psycopg.Cursor(self.raw)
+
+    def execute(self, sql: str, params: Any = None) -> None:
+        with self.connection.wrap_database_errors:
+            if not conf.PREPARE_STATEMENTS:
+                self.cursor.execute(sql, params)
+                return
+            try:
+                self._execute_prepared(sql, params)
+            except Exception as exc:
+                if getattr(exc, "sqlstate", None) not in _LOST_PREPARED_SQLSTATES:
+                    raise
+                # The session lost what psycopg prepared in it (DEALLOCATE ALL or DISCARD
+                # ALL behind psycopg's back). psycopg must forget it too, or every later
+                # call fails the same way; its clear() also deallocates everything after
+                # the next statement, so that one runs unprepared. Running it again is
+                # safe: it is its own transaction (autocommit) and failed before it ran.
+                self.raw._prepared.clear()
+                self.cursor.execute(sql, params, prepare=False)
+
+    def _execute_prepared(self, sql: str, params: Any) -> None:
+        # psycopg prepares nothing at all on a connection whose prepare_threshold is None
+        # (Django's default), even when asked to. A threshold no query reaches lets it
+        # prepare just this one; put back at once, so Django's own queries stay as they
+        # were (not counted, never prepared).
+        raw = self.raw
+        if raw.prepare_threshold is not None:
+            self.cursor.execute(sql, params, prepare=True)
+            return
+        raw.prepare_threshold = _NEVER_BY_COUNT
+        try:
+            self.cursor.execute(sql, params, prepare=True)
+        finally:
+            raw.prepare_threshold = None
+
+    def fetchone(self) -> Any:
+        with self.connection.wrap_database_errors:
+            return self.cursor.fetchone()
+
+    def __enter__(self) -> _BoundCursor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Kept open: the next operation on this connection reuses it (statement_cursor).
+        pass
+
+
+@functools.cache
+def is_psycopg3() -> bool:
+    # Django also runs on psycopg2: the lean cursor and the wake-ups are psycopg 3's.
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    return is_psycopg3
+
+
+class PostgreSQL(Backend):
+    vendor = "postgresql"
+    # FOR SHARE conflicts with the FOR UPDATE of acquire, renew, release and break.
+    share_lock = " FOR SHARE"
+    one_statement: ClassVar[frozenset[str]] = frozenset(
+        {"acquire_existing", "renew", "release", "holds", "listen", "unlisten"}
+    )
+    # Migration 0007's distlock_holds(): the same locking read as owner_check_sql().
+    folded_owner_check_sql = "(SELECT distlock_holds(%s, %s, %s::bigint))"
+    fence_trigger = True
+
+    def now_sql(self) -> str:
+        # clock_timestamp() moves during a transaction; now() is frozen at its start.
+        return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
+
+    def name_equals_sql(self, sql: str) -> str:
+        return f"COALESCE(({sql}) = %s, FALSE)"
+
+    def retryable(self, exc: DatabaseError) -> bool:
+        return getattr(exc.__cause__, "sqlstate", None) in _RETRY_SQLSTATES
+
+    def lock_wait_cut_short(self, exc: DatabaseError) -> bool:
+        # PostgreSQL aborted the statement (and its transaction). statement_timeout
+        # cancels with 57014 query_canceled, which is also what pg_cancel_backend() and a
+        # client's cancel give; only statement_timeout's message is taken (in English:
+        # with other ``lc_messages`` such a cancel stays an error, as before).
+        cause = exc.__cause__
+        sqlstate = getattr(cause, "sqlstate", None)
+        if sqlstate in _LOCK_WAIT_SQLSTATES:
+            return True
+        diag = getattr(cause, "diag", None)
+        message = str(getattr(diag, "message_primary", None) or "")
+        return sqlstate == "57014" and "statement timeout" in message
+
+    def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
+        """The lean cursor, but only when nobody watches this connection's queries:
+        Django's debug query log (DEBUG, assertNumQueries) and execute_wrappers see every
+        statement through Django's own cursor, as they would for the ORM."""
+        if connection.queries_logged or connection.execute_wrappers or not is_psycopg3():
+            return connection.cursor()
+        connection.validate_thread_sharing()
+        # One cursor per database session, made again after a reconnect: creating a
+        # psycopg cursor per statement is a measurable part of an operation's client CPU.
+        cursor: _BoundCursor | None = getattr(connection, "_distlock_cursor", None)
+        if cursor is None or cursor.raw is not connection.connection:
+            cursor = connection._distlock_cursor = _BoundCursor(connection)  # type: ignore[attr-defined]
+        return cursor
+
+    # -- wake-ups: LISTEN/NOTIFY (see wakeups.py) ----------------------------------------
+
+    def supports_wakeups(self) -> bool:
+        return is_psycopg3()
+
+    def wait_for_wakeup(self, connection: BaseDatabaseWrapper, seconds: float) -> None:
+        # Only this lock's channel is listened to, so any notification is for it.
+        with connection.wrap_database_errors:
+            for _ in connection.connection.notifies(timeout=seconds, stop_after=1):
+                break
+
+    def listen(self, cursor: Any, name: str) -> None:
+        """LISTEN on the lock's channel, and a shared advisory lock that tells releasers
+        someone waits (``distlock_listen``)."""
+        cursor.execute("SELECT distlock_listen(%s)", [name])
+        cursor.fetchone()
+
+    def unlisten(self, cursor: Any, name: str) -> None:
+        cursor.execute("SELECT distlock_unlisten(%s)", [name])
+        cursor.fetchone()
+
+    def broken(self, cursor: Any, name: str) -> None:
+        cursor.execute("SELECT distlock_wake(%s)", [name])
+
+    # -- the lock operations: server-side functions (migration 0003) ---------------------
+
+    def acquire_existing(
+        self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Grant | Busy:
+        """``distlock_acquire`` does the portable steps in one statement, and also creates
+        a missing row (so it never returns None)."""
+        cursor.execute(
+            "SELECT status, token, acquired_us, expires_us, other, remaining_us "
+            "FROM distlock_acquire(%s, %s, %s, %s::bigint, %s::bigint)",
+            [name, owner, holder, ttl_us, MAX_TOKEN],
+        )
+        status, token, acquired_us, expires_us, other, remaining_us = cursor.fetchone()
+        if status == "granted":
+            return Grant(token, acquired_us, expires_us, took_over=other)
+        if status == "busy":
+            return Busy(token, other, remaining_us)
+        raise exhausted(name if status == "exhausted" else None)
+
+    def renew(
+        self, cursor: Any, name: str, owner: str, token: int, ttl_us: int
+    ) -> Grant | str:
+        cursor.execute(
+            "SELECT status, renewed_us, expires_us "
+            "FROM distlock_renew(%s, %s, %s::bigint, %s::bigint)",
+            [name, owner, token, ttl_us],
+        )
+        status, renewed_us, expires_us = cursor.fetchone()
+        if status != "renewed":
+            return RENEW_REFUSED[status]
+        return Grant(token, renewed_us, expires_us)
+
+    def release(
+        self, cursor: Any, name: str, owner: str, token: int
+    ) -> tuple[bool, int | None]:
+        return release(cursor, name, owner, token, bool(conf.DURABLE_RELEASE))
+
+    # -- checks, the doctor, migrations --------------------------------------------------
+
+    def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW transaction_isolation")
+            isolation = cursor.fetchone()[0]
+        return [(OK, f"session isolation level is {isolation}; serialization failures "
+                     "are retried")]
+
+    def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
+        """A trigger that refuses any UPDATE lowering ``column`` (RefuseLowerFenceToken)."""
+        quote = schema_editor.quote_name
+        trigger = quote(fence_trigger_name(table))
+        schema_editor.execute(_FENCE_FUNCTION_SQL, None)  # None: its % are not placeholders
+        schema_editor.execute(f"DROP TRIGGER IF EXISTS {trigger} ON {quote(table)}")
+        schema_editor.execute(
+            f"CREATE TRIGGER {trigger} BEFORE UPDATE OF {quote(column)} "
+            f"ON {quote(table)} FOR EACH ROW WHEN (NEW.{quote(column)} < OLD.{quote(column)}) "
+            f"EXECUTE FUNCTION {FENCE_FUNCTION}('{column}')"
+        )
+
+    def drop_fence_trigger(self, schema_editor: Any, table: str) -> None:
+        quote = schema_editor.quote_name
+        schema_editor.execute(
+            f"DROP TRIGGER IF EXISTS {quote(fence_trigger_name(table))} ON {quote(table)}"
+        )
+
+
+def release(
+    cursor: Any, name: str, owner: str, token: int, durable: bool
+) -> tuple[bool, int | None]:
+    """``distlock_release``; ``durable`` waits for the commit to be flushed."""
+    cursor.execute(
+        "SELECT held, released_us FROM distlock_release(%s, %s, %s::bigint, %s)",
+        [name, owner, token, durable],
+    )
+    held, released_us = cursor.fetchone()
+    return bool(held), released_us
+
+
+BACKEND = PostgreSQL
