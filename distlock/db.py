@@ -144,18 +144,6 @@ def db_now_us(alias: str) -> int:
 # -- compatibility for distlock/fencing.py, until it asks backend_for() itself -----------
 
 
-def now_sql(connection: BaseDatabaseWrapper) -> str:
-    """SQL for the database's real-time clock in epoch microseconds."""
-    return backend_for(connection).now_sql()
 
 
-def holds(
-    connection: BaseDatabaseWrapper, cursor: Any, name: str, owner: str, token: int
-) -> bool:
-    """See :meth:`Backend.holds <distlock.backends.base.Backend.holds>`."""
-    return backend_for(connection).holds(cursor, name, owner, token)
 
-
-def join_manual_transaction(connection: BaseDatabaseWrapper) -> None:
-    """See :meth:`Backend.join_manual_transaction`."""
-    backend_for(connection).join_manual_transaction(connection)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from distlock.constants import FENCE_FIELD
 from distlock.fencing.models import FencedModel
-from distlock.fencing.ownership import owner_check_sql
 from distlock.fencing.query import FencedManager, FencedQuerySet, is_fenced_manager
 from distlock.fencing.templates import (
     nullable_template_fields,
@@ -53,7 +52,6 @@ __all__ = [
     "FencedQuerySet",
     "is_fenced_manager",
     "nullable_template_fields",
-    "owner_check_sql",
     "parse_fence_name",
     "template_problems",
 ]

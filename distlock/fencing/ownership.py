@@ -10,8 +10,8 @@ autocommit, the check is folded into the write's own statement (:class:`LeaseHol
 :func:`fenced` runs a write under that check and turns the database's refusal into
 StaleToken (or ValueError for a row of another lock).
 
-The vendor SQL of the fencing package is kept together below ("vendor SQL"), so that it
-can move into ``distlock.backends`` in one piece.
+Every piece of SQL that differs between databases comes from the connection's backend
+(:mod:`distlock.backends`): the exact name comparison, the locking read, the folded check.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.expressions import Expression
 
 from distlock import db, signals, uncommitted
-from distlock.constants import LOCK_TABLE
+from distlock.backends import backend_for
 from distlock.exceptions import StaleToken
 
 if TYPE_CHECKING:
@@ -64,9 +64,6 @@ class _Condition(Expression):
     output_field = models.BooleanField()
 
 
-# -- vendor SQL (to move into distlock.backends) ------------------------------------------
-
-
 class SameName(_Condition):
     """``<lock name of the row> = %s``, compared byte for byte, never NULL."""
 
@@ -85,39 +82,15 @@ class SameName(_Condition):
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
     ) -> tuple[str, list[Any]]:
         sql, params = compiler.compile(self.expression)
-        if connection.vendor == "mysql":
-            # The default collations fold case, accents and trailing spaces.
-            return (
-                f"COALESCE(CAST({sql} AS BINARY) = CAST(%s AS BINARY), 0)",
-                [*params, self.name],
-            )
-        false = "FALSE" if connection.vendor == "postgresql" else "0"
-        return f"COALESCE(({sql}) = %s, {false})", [*params, self.name]
-
-
-def _share_lock(connection: BaseDatabaseWrapper) -> str:
-    # FOR SHARE conflicts with the FOR UPDATE of acquire, renew, release and break, so they
-    # wait for the write to commit. SQLite's IMMEDIATE transaction holds the whole file.
-    if connection.vendor == "postgresql":
-        return " FOR SHARE"
-    if connection.vendor == "mysql":
-        return " LOCK IN SHARE MODE"
-    return ""
-
-
-def owner_check_sql(connection: BaseDatabaseWrapper) -> str:
-    """The locking read that proves, inside the writing transaction, the lease is current."""
-    return (
-        f"SELECT 1 FROM {LOCK_TABLE} WHERE name = %s AND owner = %s AND token = %s "
-        f"AND expires_us > {db.now_sql(connection)}{_share_lock(connection)}"
-    )
+        return backend_for(connection).name_equals_sql(sql), [*params, self.name]
 
 
 class LeaseHolds(_Condition):
-    """The ownership check inside the write's own statement (PostgreSQL only).
+    """The ownership check inside the write's own statement, where the backend can do it
+    (``Backend.folded_owner_check_sql``; PostgreSQL only).
 
-    ``(SELECT distlock_holds(name, owner, token))`` — migration 0007's function, the same
-    locking read as :func:`owner_check_sql`. Uncorrelated, so PostgreSQL evaluates it once
+    ``(SELECT distlock_holds(name, owner, token))`` — a server-side function doing the
+    same locking read as ``Backend.owner_check_sql``. Uncorrelated, so PostgreSQL evaluates it once
     per statement (an InitPlan) before the first row is written; its FOR SHARE row lock
     lasts until the statement's transaction ends, and a lock row changed meanwhile is
     re-checked in its latest version.
@@ -130,7 +103,9 @@ class LeaseHolds(_Condition):
     def as_sql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
     ) -> tuple[str, list[Any]]:
-        return "(SELECT distlock_holds(%s, %s, %s::bigint))", list(self.params)
+        sql = backend_for(connection).folded_owner_check_sql
+        assert sql is not None, "folded_check() builds LeaseHolds only where the backend has it"
+        return sql, list(self.params)
 
 
 def folded_check(model: type[models.Model], lease: Lease, using: str) -> LeaseHolds | None:
@@ -143,7 +118,7 @@ def folded_check(model: type[models.Model], lease: Lease, using: str) -> LeaseHo
     """
     connection = connections[using]
     if (
-        connection.vendor != "postgresql"
+        backend_for(connection).folded_owner_check_sql is None
         or not connection.get_autocommit()
         or not _checks_ownership(model, lease, using)
     ):
@@ -163,7 +138,8 @@ def _checks_ownership(model: type[models.Model], lease: Lease, using: str) -> bo
 
 def _owner_check(connection: BaseDatabaseWrapper, lease: Lease) -> None:
     with connection.cursor() as cursor:
-        cursor.execute(owner_check_sql(connection), [lease.name, lease.owner, lease.token])
+        sql = backend_for(connection).owner_check_sql()
+        cursor.execute(sql, [lease.name, lease.owner, lease.token])
         if cursor.fetchone() is None:
             raise Refused(by_owner_check=True)
 
@@ -172,7 +148,7 @@ def lease_is_current(lease: Lease, using: str) -> bool:
     """After a folded write matched nothing: did the ownership check fail? (message only)"""
     connection = connections[using]
     with connection.cursor() as cursor:
-        return db.holds(connection, cursor, lease.name, lease.owner, lease.token)
+        return bool(backend_for(connection).holds(cursor, lease.name, lease.owner, lease.token))
 
 
 def current_grant(lease: Lease) -> str:
@@ -212,7 +188,7 @@ def fenced(
     try:
         if folded is not None:
             return write(folded)
-        db.join_manual_transaction(connections[using])
+        backend_for(connections[using]).join_manual_transaction(connections[using])
         try:
             with transaction.atomic(using=using):
                 if checked:
