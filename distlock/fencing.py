@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import re
-import string
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
@@ -49,6 +48,7 @@ from django.db.models.sql.where import AND
 from distlock import db, signals, uncommitted
 from distlock.constants import FENCE_FIELD, LOCK_TABLE
 from distlock.exceptions import StaleToken
+from distlock.names import NameTemplate
 
 if TYPE_CHECKING:
     from django.db.models.sql.compiler import SQLCompiler
@@ -94,21 +94,7 @@ def parse_fence_name(template: object) -> list[tuple[str, str | None]]:
     """
     if not isinstance(template, str) or not template:
         raise ValueError(f"fence_name must be a non-empty str, not {template!r}")
-    parts: list[tuple[str, str | None]] = []
-    for literal, field, spec, conversion in string.Formatter().parse(template):
-        if field is not None:
-            if not field.isidentifier():
-                raise ValueError(
-                    f"fence_name {template!r}: field {{{field}}} must be a field name "
-                    "such as {pk} or {customer_id} (no positions, indexes or attributes)"
-                )
-            if spec or conversion:
-                raise ValueError(
-                    f"fence_name {template!r}: field {{{field}}} must not have a format "
-                    "spec or conversion"
-                )
-        parts.append((literal, field))
-    return parts
+    return list(NameTemplate(template, plain=True, what="fence_name").parts)
 
 
 def _resolve(model: type[models.Model], name: str) -> models.Field[Any, Any]:
