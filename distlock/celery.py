@@ -174,7 +174,9 @@ def locked_task(
         )
         warned: set[str] = set()
 
-        def lock_name(task: Task | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        def lock_name(
+            task: Task[Any, Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+        ) -> str:
             if template is not None:
                 return check_name(template.format_call(public, args, kwargs))
             assert callable(name)
@@ -225,12 +227,13 @@ def locked_task(
                         raise
                 if not _held_by(lease_name, previous, using):
                     break
-            return policy.contended(Contention(task, lease_name, limit, task_id, retries))
+            policy.contended(Contention(task, lease_name, limit, task_id, retries))
+            return None  # the policy skipped the body (any other decision raised)
 
         wrapper.__signature__ = public  # type: ignore[attr-defined]
         # functools.wraps set __wrapped__; tools that follow it would show (and Celery's
         # newer argument check would read) the signature with 'lease' in it.
-        del wrapper.__wrapped__  # type: ignore[attr-defined]
+        del wrapper.__wrapped__
         return wrapper
 
     return decorate
@@ -269,12 +272,14 @@ def _held_by(name: str, owner: str | None, using: str | None) -> bool:
     return Lock.objects.using(check_using(using)).filter(name=name, owner__in=[owner, ""]).exists()
 
 
-def _running_task() -> Task | None:
+def _running_task() -> Task[Any, Any] | None:
     """The task being executed in this thread (for tasks declared without bind=True)."""
-    return current_task._get_current_object()  # a Proxy: unwrap it to see None
+    # A Proxy: unwrapped to see None when no task runs.
+    running: Task[Any, Any] | None = current_task._get_current_object()  # type: ignore[attr-defined]
+    return running
 
 
-def _warn_visibility(task: Task, ttl: float, auto_renew: bool) -> None:
+def _warn_visibility(task: Task[Any, Any], ttl: float, auto_renew: bool) -> None:
     """Warn once per task when the broker may redeliver it while it still holds the lock.
 
     A Redis/SQS message unacknowledged for longer than the visibility timeout is handed

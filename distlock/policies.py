@@ -68,7 +68,6 @@ class ContentionPolicy:
     """Base of the policies; :meth:`contended` is where each one decides."""
 
     alias: ClassVar[str]
-    __slots__ = ()
 
     def limit(self, ttl: float, timeout: float | None) -> float:
         """Seconds to try for the lock before deciding: ``timeout``, or a single try."""
@@ -89,23 +88,22 @@ class ContentionPolicy:
         )
 
     def __repr__(self) -> str:
-        options = ", ".join(f"{slot}={getattr(self, slot)!r}" for slot in self.__slots__)
+        options = ", ".join(f"{key}={value!r}" for key, value in vars(self).items())
         return f"{type(self).__name__}({options})"
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return all(getattr(self, slot) == getattr(other, slot) for slot in self.__slots__)
+        return vars(self) == vars(other)
 
     def __hash__(self) -> int:
-        return hash((type(self), *(getattr(self, slot) for slot in self.__slots__)))
+        return hash((type(self), *vars(self).values()))
 
 
 class Skip(ContentionPolicy):
     """Do not run the body this time; the task returns None."""
 
     alias = "skip"
-    __slots__ = ()
 
     def contended(self, busy: Contention) -> None:
         self._announce(busy, "skipped, the task did not run")
@@ -115,7 +113,6 @@ class Raise(ContentionPolicy):
     """Fail the task at once with :class:`LockContended`."""
 
     alias = "raise"
-    __slots__ = ()
 
     def contended(self, busy: Contention) -> None:
         self._announce(busy, "raising")
@@ -131,7 +128,6 @@ class Wait(ContentionPolicy):
     """
 
     alias = "wait"
-    __slots__ = ("timeout",)
 
     def __init__(self, timeout: Seconds | None = None) -> None:
         self.timeout = check_timeout(timeout)
@@ -157,7 +153,6 @@ class Retry(ContentionPolicy):
     """
 
     alias = "retry"
-    __slots__ = ("countdown", "jitter", "max_retries")
 
     def __init__(
         self, countdown: Seconds = 1.0, *, max_retries: int | None = None,
