@@ -22,60 +22,62 @@ extra: ``pip install django-distlock[celery]``).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import logging
-import random
-import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from celery import Task, current_task
 from celery.local import Proxy
-from django.dispatch import Signal
+from celery.signals import before_task_publish
 
 from distlock.exceptions import LockTimeout
-from distlock.validation import Seconds, check_name, check_seconds, check_timeout, check_ttl
+from distlock.names import NameTemplate
+from distlock.policies import (
+    Contention,
+    ContentionPolicy,
+    LockContended,
+    Raise,
+    Retry,
+    Skip,
+    Wait,
+    resolve,
+    task_lock_busy,
+)
+from distlock.validation import Seconds, check_name, check_timeout, check_ttl
 
 if TYPE_CHECKING:
-    from distlock.leases import LostCallback
+    from distlock.leases import Lease, LostCallback
 
-__all__ = ["LockContended", "locked_task", "task_lock_busy", "visibility_timeout"]
+__all__ = [
+    "ContentionPolicy", "LockContended", "Raise", "Retry", "Skip", "Wait", "locked_task",
+    "task_lock_busy", "visibility_timeout",
+]
 
 logger = logging.getLogger("distlock.celery")
 
 R = TypeVar("R")
-Policy = Literal["skip", "retry", "wait", "raise"]
-POLICIES = ("skip", "retry", "wait", "raise")
-
-#: Sent in the worker whenever a locked task found its lock held and did not run its
-#: body this time: sender=the task; name (lock name), policy, task_id, retries (the
-#: task's retry count so far), countdown (seconds until the retry, or None).
-task_lock_busy = Signal()
+Alias = Literal["skip", "retry", "wait", "raise"]
 
 # How long a retried run waits for its own previous run to release (see wrapper).
 RETRY_GRACE = 2.0
+
+# The message header naming the lease (its owner id) that the run queueing a retry of
+# itself still holds; the retried run reads it back as ``task.request.distlock_retry_of``.
+RETRY_OF_HEADER = "distlock_retry_of"
 
 # Transports that redeliver an unacknowledged message after a visibility timeout, with
 # kombu's default for it (seconds).
 _VISIBILITY_DEFAULTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
 
-
-class LockContended(LockTimeout):
-    """A locked task's lock was held by someone else and the policy gave up.
-
-    Raised by ``on_contention="raise"``, and by ``"retry"`` once the retries are used up.
-    A :class:`~distlock.LockTimeout`, so code that handles lock timeouts handles it too.
-    """
-
-    def __init__(self, name: str, timeout: float | None, task_id: str | None) -> None:
-        super().__init__(name, timeout)
-        self.task_id = task_id
-        self.args = (f"task {task_id}: lock {name!r} is held by someone else",)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.name, self.timeout, self.task_id))
+# The locked task running in this thread and its lease: (task id, lease).
+_running: contextvars.ContextVar[tuple[str, Lease] | None] = contextvars.ContextVar(
+    "distlock_celery_running", default=None
+)
 
 
 def visibility_timeout(app: Any) -> float | None:
@@ -92,22 +94,11 @@ def visibility_timeout(app: Any) -> float | None:
     return _VISIBILITY_DEFAULTS.get(scheme)
 
 
-def _template_fields(name: str) -> set[str]:
-    fields = {
-        field.split(".")[0].split("[")[0]
-        for _, field, _, _ in string.Formatter().parse(name)
-        if field is not None
-    }
-    if "" in fields:
-        raise ValueError("lock name template fields must be named, e.g. {invoice_id}")
-    return fields
-
-
 def locked_task(
     name: str | Callable[..., str],
     *,
     ttl: Seconds | None = None,
-    on_contention: Policy = "retry",
+    on_contention: ContentionPolicy | Alias = "retry",
     timeout: Seconds | None = None,
     countdown: Seconds = 1.0,
     max_retries: int | None = None,
@@ -129,47 +120,36 @@ def locked_task(
     retried run gets a new lease with a higher token).
 
     When the lock is held by someone else, after trying for ``timeout`` seconds (default:
-    once; for ``"wait"``: up to ``ttl``):
+    once; for ``Wait``: up to ``ttl``), ``on_contention`` decides:
 
-    - ``"retry"``: ``task.retry(countdown=countdown + jitter)``; ``max_retries`` (default:
-      the task's) bounds it, then :class:`LockContended` is raised;
-    - ``"skip"``: the body does not run, the task returns None;
-    - ``"wait"``: keep waiting up to ``timeout`` seconds, then raise
+    - :class:`Retry` (``"retry"``, the default): ``task.retry(countdown=countdown +
+      jitter)``; ``max_retries`` (default: the task's) bounds it, then
+      :class:`LockContended` is raised;
+    - :class:`Skip` (``"skip"``): the body does not run, the task returns None;
+    - :class:`Wait` (``"wait"``): keep waiting up to ``timeout`` seconds, then raise
       :class:`~distlock.LockTimeout` (a task cannot wait forever: it holds a pool slot);
-    - ``"raise"``: raise :class:`LockContended` at once.
+    - :class:`Raise` (``"raise"``): raise :class:`LockContended` at once.
 
+    With an alias, ``countdown``, ``max_retries`` and ``jitter`` complete ``Retry``; a
+    policy object carries its own options (passing them here as well is a TypeError).
     Every contention is logged on the ``distlock.celery`` logger and sent as
     :data:`task_lock_busy`. ``auto_renew`` renews the lease in a helper thread for long
     tasks; a TTL longer than the broker's visibility timeout is reported with a warning.
     """
-    if on_contention not in POLICIES:
-        raise ValueError(f"on_contention must be one of {POLICIES}, not {on_contention!r}")
+    template: NameTemplate | None = None
     if isinstance(name, str):
-        if not name:
-            raise ValueError("lock name template must not be empty")
-        fields = _template_fields(name)
-    elif callable(name):
-        fields = set()
-    else:
+        template = NameTemplate(name, example="invoice_id")
+    elif not callable(name):
         raise TypeError(
             f"lock name must be a str template or a callable, not {type(name).__name__}"
         )
     if ttl is not None:
         check_ttl(ttl)
     wait = check_timeout(timeout)
-    pause = check_seconds(countdown, "countdown")
-    if pause < 0:
-        raise ValueError(f"countdown must not be negative, not {pause}")
-    if isinstance(jitter, bool):
-        spread = pause if jitter else 0.0
-    else:
-        spread = check_seconds(jitter, "jitter")
-        if spread < 0:
-            raise ValueError(f"jitter must not be negative, not {spread}")
-    if max_retries is not None and (
-        isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0
-    ):
-        raise ValueError(f"max_retries must be a non-negative int or None, not {max_retries!r}")
+    policy = resolve(
+        on_contention, timeout=wait, countdown=countdown, max_retries=max_retries,
+        jitter=jitter,
+    )
 
     def decorate(func: Callable[..., R]) -> Callable[..., R | None]:
         # A Proxy is what @shared_task returns before the app is finalized; checking it
@@ -181,12 +161,8 @@ def locked_task(
             )
         signature = inspect.signature(func)
         params = signature.parameters
-        missing = fields - set(params)
-        if missing:
-            raise ValueError(
-                f"lock name {name!r} uses {sorted(missing)}, which "
-                f"{func.__qualname__}() has no parameters for"
-            )
+        if template is not None:
+            template.check_parameters(params, func.__qualname__)
         takes_lease = "lease" in params
         if takes_lease and params["lease"].kind is not inspect.Parameter.KEYWORD_ONLY:
             raise TypeError(
@@ -198,13 +174,14 @@ def locked_task(
         )
         warned: set[str] = set()
 
-        def lock_name(task: Task | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-            if callable(name) and not isinstance(name, str):
-                call_args = args[1:] if task is not None and args and args[0] is task else args
-                return check_name(name(*call_args, **kwargs))
-            bound = public.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return check_name(name.format(**bound.arguments))
+        def lock_name(
+            task: Task[Any, Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+        ) -> str:
+            if template is not None:
+                return check_name(template.format_call(public, args, kwargs))
+            assert callable(name)
+            call_args = args[1:] if task is not None and args and args[0] is task else args
+            return check_name(name(*call_args, **kwargs))
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> R | None:
@@ -223,98 +200,86 @@ def locked_task(
             if task is not None and task.name not in warned:
                 warned.add(task.name)
                 _warn_visibility(task, seconds, auto_renew)
-            limit = wait if wait is not None else (seconds if on_contention == "wait" else 0)
+            limit = policy.limit(seconds, wait)
             holder = f"task={getattr(task, 'name', func.__qualname__)}[{task_id}]"
             if retries:
                 holder += f" retry={retries}"
             if request is not None and (request.delivery_info or {}).get("redelivered"):
                 holder += " redelivered"
-            options = {
-                "ttl": seconds, "using": using, "holder": holder, "auto_renew": auto_renew,
-                "on_lost": on_lost,
-            }
-            guard = lock(lease_name, timeout=limit, **options)
-            try:
-                lease = guard.__enter__()
-            except LockTimeout:
-                if not (retries and _held_by(lease_name, task_id, using)):
-                    return _contended(task, lease_name, limit, task_id, retries)
-                # Celery queues a retry before the previous run has left the body and
-                # released; give that release a moment before calling the lock contended.
-                guard = lock(lease_name, timeout=max(limit, RETRY_GRACE), **options)
+            # Celery queues a retry before the run asking for it has left the body and
+            # released: a retried run meeting the lease of that run (named in its message)
+            # gives the release a moment before calling the lock contended.
+            previous = getattr(request, RETRY_OF_HEADER, None) if retries else None
+            for attempt in (limit, max(limit, RETRY_GRACE)):
+                entered = False
                 try:
-                    lease = guard.__enter__()
+                    with lock(
+                        lease_name, ttl=seconds, timeout=attempt, using=using, holder=holder,
+                        auto_renew=auto_renew, on_lost=on_lost,
+                    ) as lease:
+                        entered = True
+                        with _run(task_id, lease):
+                            if takes_lease:
+                                return func(*args, lease=lease, **kwargs)
+                            return func(*args, **kwargs)
                 except LockTimeout:
-                    return _contended(task, lease_name, limit, task_id, retries)
-            try:
-                if takes_lease:
-                    return func(*args, lease=lease, **kwargs)
-                return func(*args, **kwargs)
-            finally:
-                guard.__exit__(None, None, None)
-
-        def _contended(
-            task: Task | None, lease_name: str, limit: float, task_id: str | None,
-            retries: int,
-        ) -> None:
-            if on_contention == "retry" and task is not None:
-                delay = pause + random.uniform(0, spread)
-                logger.info(
-                    "task %s: lock %r is busy; retry %d in %.2f s",
-                    task_id, lease_name, retries + 1, delay,
-                )
-                task_lock_busy.send(
-                    sender=task, name=lease_name, policy="retry", task_id=task_id,
-                    retries=retries, countdown=delay,
-                )
-                options: dict[str, Any] = {"countdown": delay}
-                if max_retries is not None:
-                    options["max_retries"] = max_retries
-                raise task.retry(exc=LockContended(lease_name, limit, task_id), **options)
-            logger.warning(
-                "task %s: lock %r is busy; %s", task_id, lease_name,
-                {"skip": "skipped, the task did not run",
-                 "wait": f"gave up after waiting {limit} s"}.get(on_contention, "raising"),
-            )
-            task_lock_busy.send(
-                sender=task, name=lease_name, policy=on_contention, task_id=task_id,
-                retries=retries, countdown=None,
-            )
-            if on_contention == "skip":
-                return None
-            if on_contention == "wait":
-                raise LockTimeout(lease_name, limit)
-            raise LockContended(lease_name, limit, task_id)
+                    if entered:  # raised by the body, not by the lock: not contention
+                        raise
+                if not _held_by(lease_name, previous, using):
+                    break
+            policy.contended(Contention(task, lease_name, limit, task_id, retries))
+            return None  # the policy skipped the body (any other decision raised)
 
         wrapper.__signature__ = public  # type: ignore[attr-defined]
         # functools.wraps set __wrapped__; tools that follow it would show (and Celery's
         # newer argument check would read) the signature with 'lease' in it.
-        del wrapper.__wrapped__  # type: ignore[attr-defined]
+        del wrapper.__wrapped__
         return wrapper
 
     return decorate
 
 
-def _held_by(name: str, task_id: str | None, using: str | None) -> bool:
-    """True if lock ``name`` is held by a run of task ``task_id`` (per its holder text)."""
+@contextmanager
+def _run(task_id: str | None, lease: Lease) -> Iterator[None]:
+    """Mark ``lease`` as held by the run of ``task_id`` in this thread (see _mark_retry)."""
+    if task_id is None:
+        yield
+        return
+    token = _running.set((task_id, lease))
+    try:
+        yield
+    finally:
+        _running.reset(token)
+
+
+@before_task_publish.connect
+def _mark_retry(headers: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    """Name the lease a run holds in the message of its own retry (same task id)."""
+    running = _running.get()
+    if headers is None or running is None or headers.get("id") != running[0]:
+        return
+    headers[RETRY_OF_HEADER] = running[1].owner
+
+
+def _held_by(name: str, owner: str | None, using: str | None) -> bool:
+    """True if lock ``name`` is still held by the grant of ``owner`` (a run's own previous
+    run), or was freed since the try that failed: worth one more try, then."""
     from distlock.models import Lock
     from distlock.validation import check_using
 
-    if not task_id:
+    if not owner:
         return False
-    holder = (
-        Lock.objects.using(check_using(using)).filter(name=name)
-        .values_list("holder", flat=True).first()
-    )
-    return bool(holder) and f"[{task_id}]" in holder
+    return Lock.objects.using(check_using(using)).filter(name=name, owner__in=[owner, ""]).exists()
 
 
-def _running_task() -> Task | None:
+def _running_task() -> Task[Any, Any] | None:
     """The task being executed in this thread (for tasks declared without bind=True)."""
-    return current_task._get_current_object()  # a Proxy: unwrap it to see None
+    # A Proxy: unwrapped to see None when no task runs.
+    running: Task[Any, Any] | None = current_task._get_current_object()  # type: ignore[attr-defined]
+    return running
 
 
-def _warn_visibility(task: Task, ttl: float, auto_renew: bool) -> None:
+def _warn_visibility(task: Task[Any, Any], ttl: float, auto_renew: bool) -> None:
     """Warn once per task when the broker may redeliver it while it still holds the lock.
 
     A Redis/SQS message unacknowledged for longer than the visibility timeout is handed

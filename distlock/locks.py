@@ -8,7 +8,6 @@ import inspect
 import os
 import random
 import socket
-import string
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from distlock.backends.base import Busy, Grant
 from distlock.conf import conf
 from distlock.exceptions import LockTimeout
 from distlock.leases import Lease, LostCallback, logger
+from distlock.names import NameTemplate
 from distlock.times import from_us
 from distlock.validation import (
     MAX_NAME_LENGTH,
@@ -299,36 +299,20 @@ def locked(
     an ``async def`` function (or async generator function) raises TypeError there: the
     lock would not be held while its body runs.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"lock name template must be a str, not {type(name).__name__}")
-    fields = {
-        field.split(".")[0].split("[")[0]
-        for _, field, _, _ in string.Formatter().parse(name)
-        if field is not None
-    }
-    if "" in fields:
-        raise ValueError("lock name template fields must be named, e.g. {customer_id}")
+    template = NameTemplate(name)
     check_ttl(ttl)
     check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         refuse_async(func, "@locked(...)")
         signature = inspect.signature(func)
-        missing = fields - set(signature.parameters)
-        if missing:
-            raise ValueError(
-                f"lock name {name!r} uses {sorted(missing)}, which "
-                f"{func.__qualname__}() has no parameters for"
-            )
+        template.check_parameters(signature.parameters, func.__qualname__)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            lock_name = name.format(**bound.arguments)
             with lock(
-                lock_name, ttl=ttl, timeout=timeout, using=using,
-                auto_renew=auto_renew, on_lost=on_lost,
+                template.format_call(signature, args, kwargs), ttl=ttl, timeout=timeout,
+                using=using, auto_renew=auto_renew, on_lost=on_lost,
             ):
                 return func(*args, **kwargs)
 

@@ -15,6 +15,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,19 @@ from celery import Celery, shared_task
 from kombu import Exchange, Queue
 
 from distlock import acquire, current_lease
-from distlock.celery import LockContended, locked_task, visibility_timeout
+from distlock.celery import (
+    ContentionPolicy,
+    LockContended,
+    Raise,
+    Retry,
+    Skip,
+    Wait,
+    locked_task,
+    visibility_timeout,
+)
 from distlock.db import db_now_us
 from distlock.models import Lock
+from distlock.policies import resolve
 from tests.support.celery_app import (
     app,
     broker_url,
@@ -38,6 +49,12 @@ from tests.support.celery_app import (
     hold_wait_short,
     killable,
     late_skip,
+    obj_raise,
+    obj_retry,
+    obj_retry_once,
+    obj_skip,
+    obj_wait,
+    obj_wait_short,
     retry_self,
     unbound,
 )
@@ -134,6 +151,67 @@ def test_bad_decorator_arguments_are_refused_at_decoration():
         locked_task("x", ttl=0)
     with pytest.raises(TypeError):
         locked_task(42)
+
+
+def test_policy_objects_check_their_options_when_made():
+    assert Retry() == Retry(1.0, max_retries=None, jitter=True) == Retry(1, jitter=1.0)
+    assert (Retry(2).countdown, Retry(2).jitter, Retry(2, jitter=False).jitter) == (2, 2, 0)
+    assert Retry(timedelta(milliseconds=500), jitter=0.25).countdown == 0.5
+    assert repr(Retry(0.5, max_retries=3, jitter=False)) == (
+        "Retry(countdown=0.5, jitter=0.0, max_retries=3)"
+    )
+    assert repr(Skip()) == "Skip()" and repr(Wait(3)) == "Wait(timeout=3.0)"
+    assert Wait() == Wait(None) and Wait(2) != Wait(3) and Skip() != Raise()
+    assert Wait(timedelta(seconds=2)).timeout == 2.0
+    for bad, error, match in [
+        (lambda: Retry(-1), ValueError, "countdown must not be negative"),
+        (lambda: Retry("1"), TypeError, "countdown"),
+        (lambda: Retry(float("nan")), ValueError, "countdown must be finite"),
+        (lambda: Retry(jitter=-0.5), ValueError, "jitter must not be negative"),
+        (lambda: Retry(jitter="x"), TypeError, "jitter"),
+        (lambda: Retry(max_retries=-1), ValueError, "max_retries"),
+        (lambda: Retry(max_retries=True), ValueError, "max_retries"),
+        (lambda: Retry(max_retries=1.5), ValueError, "max_retries"),
+        (lambda: Retry(1, 3), TypeError, "positional"),
+        (lambda: Wait(-1), ValueError, "timeout must not be negative"),
+        (lambda: Wait("soon"), TypeError, "timeout"),
+        (lambda: Skip(1), TypeError, "argument"),
+        (lambda: Raise(timeout=1), TypeError, "argument"),
+    ]:
+        with pytest.raises(error, match=match):
+            bad()
+
+
+def test_aliases_are_the_policy_objects_and_options_are_given_once():
+    def options(**given):
+        return {"timeout": None, "countdown": 1.0, "max_retries": None, "jitter": True, **given}
+
+    assert resolve("skip", **options()) == Skip()
+    assert resolve("raise", **options()) == Raise()
+    assert resolve("wait", **options(timeout=4.0)) == Wait(4)
+    assert resolve("retry", **options(countdown=0.2, max_retries=5, jitter=False)) == Retry(
+        0.2, max_retries=5, jitter=False
+    )
+    policy = Retry(3)
+    assert resolve(policy, **options()) is policy
+    # Waiting: the policy's own timeout, else locked_task's, else the ttl; the others
+    # try for locked_task's timeout, once by default.
+    assert (Wait(2).limit(30, None), Wait().limit(30, 5), Wait().limit(30, None)) == (2, 5, 30)
+    assert (Skip().limit(30, None), Raise().limit(30, 2), Retry().limit(30, None)) == (0, 2, 0)
+    with pytest.raises(ValueError, match="countdown"):
+        resolve("skip", **options(countdown=-1))  # checked for every alias, as before
+    with pytest.raises(TypeError, match="Retry"):
+        locked_task("x", on_contention=Retry(), countdown=5)
+    with pytest.raises(TypeError, match="max_retries"):
+        locked_task("x", on_contention=Skip(), max_retries=2)
+    with pytest.raises(TypeError, match="own timeout"):
+        locked_task("x", on_contention=Wait(1), timeout=2)
+    with pytest.raises(TypeError, match="on_contention"):
+        locked_task("x", on_contention=Skip)  # the class, not a policy
+    with pytest.raises(ValueError, match="on_contention"):
+        locked_task("x", on_contention="Skip")
+    assert isinstance(Wait(), ContentionPolicy)
+    locked_task("x", on_contention=Wait(), timeout=2)  # one timeout: fine
 
 
 def test_visibility_timeout_of_brokers_and_the_warning(caplog):
@@ -235,6 +313,60 @@ def test_wait_is_bounded_and_raise_raises(celery):
     policies = {e["task_id"]: e["policy"] for e in celery.events.all(kind="busy")}
     assert policies[waited] == "wait" and policies[raised] == "raise"
     assert held.release() is True
+
+
+def test_policy_objects_skip_and_raise(celery):
+    k = key()
+    held = acquire(f"test:{k}", ttl=30)
+    skipped, raised = obj_skip.delay(k).id, obj_raise.delay(k).id
+    failed = celery.events.wait(kind="failed", task_id=raised)[0]
+    assert failed["error"] == "LockContended"
+    busy = celery.events.wait(kind="busy", task_id=skipped)[0]
+    assert busy["policy"] == "skip" and busy["name"] == f"test:{k}"
+    assert celery.events.all(kind="busy", task_id=raised)[0]["policy"] == "raise"
+    assert held.release() is True
+    ran = obj_skip.delay(k).id
+    celery.events.wait(kind="end", task_id=ran)
+    assert celery.events.all(kind="start", task_id=skipped) == []
+    assert celery.events.all(kind="start", task_id=raised) == []
+
+
+def test_policy_object_retry_retries_then_runs_or_gives_up(celery):
+    k, once = key(), key()
+    held = acquire(f"test:{k}", ttl=30)
+    held_once = acquire(f"test:{once}", ttl=30)
+    task_id = obj_retry.delay(k).id
+    gives_up = obj_retry_once.delay(once).id
+    busy = celery.events.wait(2, kind="busy", task_id=task_id)
+    assert [e["retries"] for e in busy[:2]] == [0, 1]
+    assert all(e["policy"] == "retry" and 0.2 <= e["countdown"] <= 0.3 for e in busy)
+    assert held.release() is True
+    start = celery.events.wait(kind="start", task_id=task_id)[0]
+    assert start["retries"] >= 2 and start["token"] > held.token
+    failed = celery.events.wait(kind="failed", task_id=gives_up)[0]
+    assert failed["error"] == LockContended.__name__
+    tries = celery.events.all(kind="busy", task_id=gives_up)
+    assert [(e["retries"], e["countdown"]) for e in tries] == [(0, 0.1), (1, 0.1)]
+    assert celery.events.all(kind="start", task_id=gives_up) == []
+    assert held_once.release() is True
+    celery.events.wait(kind="end", task_id=task_id)
+
+
+def test_policy_object_wait_is_bounded_or_gets_the_expired_lock(celery):
+    k, short = key(), key()
+    expiring = acquire(f"test:{k}", ttl=1.5)  # never released: it must expire
+    held = acquire(f"test:{short}", ttl=30)
+    waited = obj_wait.delay(k).id
+    gave_up = obj_wait_short.delay(short).id
+    failed = celery.events.wait(kind="failed", task_id=gave_up)[0]
+    assert failed["error"] == "LockTimeout"
+    assert celery.events.all(kind="busy", task_id=gave_up)[0]["policy"] == "wait"
+    start = celery.events.wait(kind="start", task_id=waited)[0]
+    assert start["token"] == expiring.token + 1
+    assert start["acquired_us"] >= us(expiring.expires_at)
+    celery.events.wait(kind="end", task_id=waited)
+    assert celery.events.all(kind="busy", task_id=waited) == []
+    assert expiring.release() is False and held.release() is True
 
 
 def test_auto_renew_keeps_a_long_task_holding_past_its_ttl(celery):

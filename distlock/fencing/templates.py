@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import re
-import string
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,6 +20,8 @@ from django.db.models import F, Q, Value
 from django.db.models.constants import LOOKUP_SEP
 from django.db.models.expressions import RawSQL
 from django.db.models.functions import Cast, Concat
+
+from distlock.names import NameTemplate
 
 # Column types whose SQL text form equals Python's str() of the value, so a lock name
 # built in SQL matches the one built by str.format.
@@ -46,21 +47,7 @@ def parse_fence_name(template: object) -> list[tuple[str, str | None]]:
     """
     if not isinstance(template, str) or not template:
         raise ValueError(f"fence_name must be a non-empty str, not {template!r}")
-    parts: list[tuple[str, str | None]] = []
-    for literal, field, spec, conversion in string.Formatter().parse(template):
-        if field is not None:
-            if not field.isidentifier():
-                raise ValueError(
-                    f"fence_name {template!r}: field {{{field}}} must be a field name "
-                    "such as {pk} or {customer_id} (no positions, indexes or attributes)"
-                )
-            if spec or conversion:
-                raise ValueError(
-                    f"fence_name {template!r}: field {{{field}}} must not have a format "
-                    "spec or conversion"
-                )
-        parts.append((literal, field))
-    return parts
+    return list(NameTemplate(template, plain=True, what="fence_name").parts)
 
 
 def field_names(template: str) -> list[str]:

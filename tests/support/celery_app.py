@@ -24,7 +24,15 @@ from celery import Celery, signals  # noqa: E402 - the fixup needs the settings 
 from django.dispatch import receiver  # noqa: E402
 
 from demo_project import kombu_filesystem  # noqa: E402, F401 - filesystem:// writes whole files
-from distlock.celery import locked_task, task_lock_busy  # noqa: E402
+from distlock.celery import (  # noqa: E402
+    ContentionPolicy,
+    Raise,
+    Retry,
+    Skip,
+    Wait,
+    locked_task,
+    task_lock_busy,
+)
 
 DIR_ENV = "DISTLOCK_TEST_CELERY_DIR"
 QUEUE_ENV = "DISTLOCK_TEST_CELERY_QUEUE"
@@ -136,8 +144,10 @@ def _lease_event(kind: str, task: Any, key: str, lease: Any) -> None:
     )
 
 
-def _make(policy: str, suffix: str = "", **options: Any) -> Any:
-    @app.task(bind=True, name=f"tests.hold_{policy}{suffix}")
+def _make(policy: str | ContentionPolicy, suffix: str = "", **options: Any) -> Any:
+    alias = policy if isinstance(policy, str) else policy.alias
+
+    @app.task(bind=True, name=f"tests.hold_{alias}{suffix}")
     @locked_task("test:{key}", ttl=options.pop("ttl", 30), on_contention=policy, **options)
     def hold(self: Any, key: str, seconds: float = 0.0, *, lease: Any) -> int:
         """Hold the lock ``seconds`` (or until the test's go file ``key`` appears)."""
@@ -159,6 +169,13 @@ hold_retry = _make("retry", countdown=0.2, jitter=0.1, max_retries=50)
 hold_retry_once = _make("retry", "_once", countdown=0.1, jitter=False, max_retries=1)
 hold_raise = _make("raise")
 hold_renewed = _make("raise", "_renewed", ttl=1.5, auto_renew=True)
+# The same behaviours given as policy objects rather than aliases.
+obj_wait = _make(Wait(30), "_object")
+obj_wait_short = _make(Wait(timeout=0.5), "_object_short")
+obj_skip = _make(Skip(), "_object")
+obj_retry = _make(Retry(0.2, jitter=0.1, max_retries=50), "_object")
+obj_retry_once = _make(Retry(countdown=0.1, jitter=False, max_retries=1), "_object_once")
+obj_raise = _make(Raise(), "_object")
 
 
 @app.task(bind=True, name="tests.retry_self")
