@@ -426,7 +426,7 @@ def acquire_existing(
 ) -> Grant | Busy | None:
     """Take over row ``name`` if it is free or expired. None: the row does not exist yet.
 
-    On PostgreSQL the server-side function ``distlock_acquire`` (migration 0003) does the
+    On PostgreSQL the server-side function ``distlock_acquire`` (migration 0002) does the
     same in one statement, and also creates a missing row (so it never returns None).
     """
     if connection.vendor == "postgresql":

@@ -17,7 +17,7 @@ transaction on the model's database and is decided there, never by Python:
 On PostgreSQL, outside the caller's ``atomic()``, ``save(fence=)`` of an existing row and
 ``fenced_update`` are *one* autocommit statement: the ownership check is folded into the
 conditional UPDATE as ``(SELECT distlock_holds(…))`` (the same locking read, FOR SHARE,
-in a function of migration 0007), which PostgreSQL runs once, before it writes a row,
+in a function of migration 0002), which PostgreSQL runs once, before it writes a row,
 holding the share lock until the statement commits. Same check, same lock,
 one round trip and one commit instead of five (see the README, Performance).
 
@@ -549,7 +549,7 @@ def _owner_check(connection: BaseDatabaseWrapper, lease: Lease) -> None:
 class _LeaseHolds(Expression):
     """The ownership check inside the write's own statement (PostgreSQL only).
 
-    ``(SELECT distlock_holds(name, owner, token))`` — migration 0007's function, the same
+    ``(SELECT distlock_holds(name, owner, token))`` — migration 0002's function, the same
     locking read as :func:`owner_check_sql`. Uncorrelated, so PostgreSQL evaluates it once
     per statement (an InitPlan) before the first row is written; its FOR SHARE row lock
     lasts until the statement's transaction ends, and a lock row changed meanwhile is
