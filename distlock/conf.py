@@ -40,7 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "DISTLOCK_PREPARE_STATEMENTS": True,
     # PostgreSQL: let a release commit without waiting for its WAL flush. A release lost
     # in a database crash leaves the lock held until that lease's expiry, as a crashed
-    # holder does; grants and renewals always wait (see migration 0006).
+    # holder does; grants and renewals always wait (see migration 0002).
     "DISTLOCK_DURABLE_RELEASE": False,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,

@@ -8,7 +8,7 @@ is tried at ``expires - 1 µs`` and at ``expires``.
 
 On PostgreSQL acquire, renew and release are server-side functions that read
 ``clock_timestamp()`` themselves, and so is the one-statement fenced write's check
-(``distlock_holds``, migration 0007; its strict ``expires_us >`` is asserted in
+(``distlock_holds``, migration 0002; its strict ``expires_us >`` is asserted in
 test_fencing). There only the fenced write inside ``atomic()`` (the ownership check as SQL
 built in Python) can be pinned, so the take-over half runs on SQLite and MariaDB.
 """

@@ -1,7 +1,7 @@
 """The short acquire path: one statement per operation on PostgreSQL, kept connections.
 
 Issue 7 moved PostgreSQL's acquire, renew and release into server-side functions
-(migration 0003) run in autocommit mode. These tests pin what that must not change:
+(migration 0002) run in autocommit mode. These tests pin what that must not change:
 the same results and reasons as the Python path, FOR UPDATE semantics for grants, a
 refusal that takes no row lock, Django's query instrumentation still seeing the
 statements, and connections that are reused, or replaced once broken.
@@ -303,29 +303,3 @@ def test_a_release_commits_without_waiting_for_its_flush_unless_told(settings):
             assert cursor.fetchone() == (True, flag)
         cursor.execute("SHOW synchronous_commit")
         assert cursor.fetchone()[0] != "off"  # the session's setting is left alone
-
-
-@postgresql_only
-def test_migrations_0006_and_0007_go_back_and_forth():
-    from django.core.management import call_command
-
-    def signatures(function: str) -> list[str]:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT oidvectortypes(proargtypes) FROM pg_proc WHERE proname = %s",
-                [function],
-            )
-            return sorted(row[0] for row in cursor.fetchall())
-
-    assert signatures("distlock_release") == ["text, text, bigint, boolean"]
-    assert signatures("distlock_holds") == ["text, text, bigint"]
-    try:
-        call_command("migrate", "distlock", "0005", verbosity=0)
-        assert signatures("distlock_release") == ["text, text, bigint"]
-        assert signatures("distlock_holds") == []
-    finally:
-        call_command("migrate", "distlock", verbosity=0)
-    assert signatures("distlock_release") == ["text, text, bigint, boolean"]
-    assert signatures("distlock_holds") == ["text, text, bigint"]
-    lease = acquire("migrated", ttl=30)
-    assert lease.release() is True

@@ -1,6 +1,6 @@
 """PostgreSQL: server-side lock functions, a lean cursor, LISTEN/NOTIFY wake-ups.
 
-Acquire, renew and release are one statement each: the SQL functions of migration 0003
+Acquire, renew and release are one statement each: the SQL functions of migration 0002
 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``) do the locking read and
 the conditional UPDATE on the server, so db.run() sends them in autocommit mode without
 BEGIN and COMMIT, through a psycopg cursor with server-side binding and prepared
@@ -128,7 +128,7 @@ class PostgreSQL(Backend):
     one_statement: ClassVar[frozenset[str]] = frozenset(
         {"acquire_existing", "renew", "release", "holds", "listen", "unlisten"}
     )
-    # Migration 0007's distlock_holds(): the same locking read as owner_check_sql().
+    # Migration 0002's distlock_holds(): the same locking read as owner_check_sql().
     folded_owner_check_sql = "(SELECT distlock_holds(%s, %s, %s::bigint))"
     fence_trigger = True
 
@@ -193,7 +193,7 @@ class PostgreSQL(Backend):
     def broken(self, cursor: Any, name: str) -> None:
         cursor.execute("SELECT distlock_wake(%s)", [name])
 
-    # -- the lock operations: server-side functions (migration 0003) ---------------------
+    # -- the lock operations: server-side functions (migration 0002) ---------------------
 
     def acquire_existing(
         self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int

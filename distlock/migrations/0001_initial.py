@@ -31,4 +31,23 @@ class Migration(migrations.Migration):
                 'permissions': [('break_lock', 'Can break locks held by others')],
             },
         ),
+        migrations.CreateModel(
+            name='LockEvent',
+            fields=[
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('at_us', models.BigIntegerField(db_index=True, editable=False)),
+                ('kind', models.CharField(choices=[('acquired', 'acquired'), ('took_over', 'expired take-over'), ('renewed', 'renewed'), ('released', 'released'), ('broken', 'broken'), ('lost', 'lost'), ('stale_write', 'stale write refused')], editable=False, max_length=16)),
+                ('name', distlock.models.LockNameField(db_index=True, editable=False, max_length=255)),
+                ('token', models.BigIntegerField(editable=False, null=True)),
+                ('owner', models.CharField(blank=True, default='', editable=False, max_length=32)),
+                ('holder', models.CharField(blank=True, default='', editable=False, max_length=255)),
+                ('by', models.CharField(blank=True, default='', editable=False, help_text='Who broke the lock (user name or command), for broken locks.', max_length=255)),
+                ('detail', models.CharField(blank=True, default='', editable=False, max_length=500)),
+            ],
+            options={
+                'verbose_name': 'lock event',
+                'db_table': 'distlock_lockevent',
+                'ordering': ['-at_us', '-id'],
+            },
+        ),
     ]

@@ -1,26 +1,87 @@
 """Server-side lock operations for PostgreSQL (a no-op on other databases).
 
-Each function does what distlock.db does in Python — the locking read, the decision and
-the update — inside one statement, so an acquire, renewal or release costs one round trip
-and one commit instead of BEGIN, three or four statements and COMMIT. The semantics are
-the same: ``SELECT … FOR UPDATE`` before any change, and every time comparison reads
-``clock_timestamp()`` after the row lock is held (never ``now()``, which is frozen at
-the start of the transaction).
+Each function is defined here once, in its final form; the reverse drops them all.
 
-A try on a lock that a committed, unexpired lease holds is refused by a plain read,
-without taking the row lock. That writes nothing, so a refusal needs no WAL flush and
-does not queue behind the holder's row lock. It is a correct refusal: at the instant of
-that read the lock was held by the database clock.
+**One statement per operation.** ``distlock_acquire``, ``distlock_renew`` and
+``distlock_release`` do what distlock.db does in Python — the locking read, the decision
+and the update — inside one statement, so an operation costs one round trip and one
+commit instead of BEGIN, three or four statements and COMMIT. The semantics are the same:
+``SELECT … FOR UPDATE`` before any change, and every time comparison reads
+``clock_timestamp()`` after the row lock is held (never ``now()``, which is frozen at the
+start of the transaction). A try on a lock that a committed, unexpired lease holds is
+refused by a plain read, without taking the row lock: that writes nothing, so a refusal
+needs no WAL flush and does not queue behind the holder's row lock. It is a correct
+refusal: at the instant of that read the lock was held by the database clock.
+
+**Wake-ups (LISTEN/NOTIFY).** A blocking acquire that was refused calls
+``distlock_listen``: LISTEN on the lock's channel, then a *shared* session advisory lock
+on the lock's key. A release or a break calls ``distlock_wake``: if it cannot take that
+key exclusively, someone is waiting, and it NOTIFYs the channel, delivered at commit.
+With nobody waiting nothing is sent, so an uncontended release does not pay NOTIFY's
+commit-time serialization. The key is (1684825963 = "dlck", hashtext(name)); a hash
+collision only wakes a waiter early, and a lost notification only leaves the waiter to
+its back-off poll. See distlock/wakeups.py.
+
+**Releases need not wait for the disk.** ``p_durable`` false sets
+``synchronous_commit = off`` for the release's own transaction. Only releases: a grant or
+a renewal lost in a crash would hand out a token twice or let a holder outlive the lease
+it was told it had, but a release lost in a crash only leaves the lock held by the lease
+that released it until that lease expires — what a holder that crashed without releasing
+does anyway. Every later durable commit (the next grant among them) flushes the WAL up to
+and including the release, so no grant that survives a crash can come after a release
+that did not. ``durable`` tells which kind of commit this release made. See
+DISTLOCK_DURABLE_RELEASE in the README.
+
+**The fenced write's ownership check.** ``distlock_holds(name, owner, token)`` is the
+locking read of ``distlock.fencing``'s ownership check — the lock row with this owner and
+token, unexpired by ``clock_timestamp()``, share-locked until the transaction ends. A
+fenced UPDATE carries it as ``(SELECT distlock_holds(…))``: an uncorrelated sub-select,
+which PostgreSQL runs once, before the first row is written. A PL/pgSQL function keeps
+its statement's plan for the session, where an inline sub-select would be parsed and
+planned again with every write.
 
 ``fillfactor`` leaves room on each page so that the frequent updates of a lock row
 (grants, renewals, releases change no indexed column) can stay heap-only (HOT).
+
+This migration replaces the pre-release series 0003–0007, which defined the same functions
+step by step: a database that applied all of those counts it as applied.
 """
 
 from django.db import migrations
 
 NOW_US = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
+KEY = "1684825963, hashtext(p_name)"
 
 FUNCTIONS = f"""
+CREATE OR REPLACE FUNCTION distlock_channel(p_name text) RETURNS text
+LANGUAGE sql IMMUTABLE AS $$ SELECT 'distlock_' || left(md5(p_name), 24) $$;
+
+CREATE OR REPLACE FUNCTION distlock_listen(p_name text) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    -- LISTEN first: a release that sees the advisory lock must find the channel heard.
+    EXECUTE format('LISTEN %I', distlock_channel(p_name));
+    PERFORM pg_advisory_lock_shared({KEY});
+END
+$$;
+
+CREATE OR REPLACE FUNCTION distlock_unlisten(p_name text) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_advisory_unlock_shared({KEY});
+    EXECUTE format('UNLISTEN %I', distlock_channel(p_name));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION distlock_wake(p_name text) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF NOT pg_try_advisory_xact_lock({KEY}) THEN
+        PERFORM pg_notify(distlock_channel(p_name), '');
+    END IF;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION distlock_acquire(
     p_name text, p_owner text, p_holder text, p_ttl_us bigint, p_max_token bigint,
     OUT status text, OUT token bigint, OUT acquired_us bigint, OUT expires_us bigint,
@@ -121,8 +182,8 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION distlock_release(
-    p_name text, p_owner text, p_token bigint,
-    OUT held boolean, OUT released_us bigint
+    p_name text, p_owner text, p_token bigint, p_durable boolean DEFAULT true,
+    OUT held boolean, OUT released_us bigint, OUT durable boolean
 ) LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     old_expires bigint;
@@ -133,10 +194,27 @@ BEGIN
         held := false;
         RETURN;
     END IF;
+    IF NOT p_durable THEN
+        -- For this transaction only (is_local): it ends with this statement.
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    durable := current_setting('synchronous_commit') <> 'off';
     released_us := {NOW_US};
     UPDATE distlock_lock l SET owner = '', holder = '', expires_us = released_us
      WHERE l.name = p_name;
     held := old_expires > released_us;
+    PERFORM distlock_wake(p_name);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION distlock_holds(p_name text, p_owner text, p_token bigint)
+RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM 1 FROM distlock_lock l
+     WHERE l.name = p_name AND l.owner = p_owner AND l.token = p_token
+       AND l.expires_us > {NOW_US}
+       FOR SHARE;
+    RETURN FOUND;
 END
 $$;
 
@@ -145,9 +223,14 @@ ALTER TABLE distlock_lock SET (fillfactor = 70);
 
 DROP = """
 ALTER TABLE distlock_lock RESET (fillfactor);
-DROP FUNCTION IF EXISTS distlock_release(text, text, bigint);
+DROP FUNCTION IF EXISTS distlock_holds(text, text, bigint);
+DROP FUNCTION IF EXISTS distlock_release(text, text, bigint, boolean);
 DROP FUNCTION IF EXISTS distlock_renew(text, text, bigint, bigint);
 DROP FUNCTION IF EXISTS distlock_acquire(text, text, text, bigint, bigint);
+DROP FUNCTION IF EXISTS distlock_wake(text);
+DROP FUNCTION IF EXISTS distlock_unlisten(text);
+DROP FUNCTION IF EXISTS distlock_listen(text);
+DROP FUNCTION IF EXISTS distlock_channel(text);
 """
 
 
@@ -162,6 +245,16 @@ def drop(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
+
+    # The pre-release steps this migration squashes (0004 made the LockEvent table,
+    # which 0001_initial makes now). See CHANGELOG.md, 0.1.0.
+    replaces = [
+        ("distlock", "0003_postgresql_functions"),
+        ("distlock", "0004_lockevent"),
+        ("distlock", "0005_postgresql_wakeups"),
+        ("distlock", "0006_postgresql_release_commit"),
+        ("distlock", "0007_postgresql_fence_check"),
+    ]
 
     dependencies = [
         ("distlock", "0001_initial"),

@@ -1,0 +1,132 @@
+"""distlock's migrations: back to zero and forwards again, and the pre-release series.
+
+0001_initial makes the tables; 0002_postgresql_functions makes PostgreSQL's server-side
+functions (nothing elsewhere). 0002 replaces the pre-release steps 0003–0007, so a
+database those migrated counts as migrated without running anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.db.migrations.loader import MigrationLoader
+from django.db.migrations.recorder import MigrationRecorder
+
+from distlock import acquire
+from distlock.constants import EVENT_TABLE, LOCK_TABLE
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+# Each server-side function of 0002 and its argument types, as pg_proc lists them.
+POSTGRESQL_FUNCTIONS = {
+    "distlock_acquire": "text, text, text, bigint, bigint",
+    "distlock_channel": "text",
+    "distlock_holds": "text, text, bigint",
+    "distlock_listen": "text",
+    "distlock_release": "text, text, bigint, boolean",
+    "distlock_renew": "text, text, bigint, bigint",
+    "distlock_unlisten": "text",
+    "distlock_wake": "text",
+}
+PRE_RELEASE = [
+    "0003_postgresql_functions",
+    "0004_lockevent",
+    "0005_postgresql_wakeups",
+    "0006_postgresql_release_commit",
+    "0007_postgresql_fence_check",
+]
+
+
+def tables() -> set[str]:
+    return {LOCK_TABLE, EVENT_TABLE} & set(connection.introspection.table_names())
+
+
+def functions() -> dict[str, str]:
+    """distlock's functions on PostgreSQL (every overload), empty elsewhere.
+
+    Trigger functions are left out: RefuseLowerFenceToken's comes with a fenced model's
+    migration (tests/testapp's here), not with distlock's.
+    """
+    if connection.vendor != "postgresql":
+        return {}
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT proname, oidvectortypes(proargtypes) FROM pg_proc"
+            " WHERE proname LIKE 'distlock\\_%%' AND prorettype <> 'trigger'::regtype"
+            " ORDER BY 1, 2"
+        )
+        found: dict[str, str] = {}
+        for name, arguments in cursor.fetchall():
+            assert name not in found, f"{name} is defined twice: {found[name]} / {arguments}"
+            found[name] = arguments
+        return found
+
+
+@pytest.fixture
+def migrated_back() -> Iterator[None]:
+    """Whatever a test migrates distlock back to, it ends migrated to the end."""
+    try:
+        yield
+    finally:
+        call_command("migrate", "distlock", verbosity=0)
+
+
+def test_migrations_run_back_to_zero_and_forwards_again(migrated_back: None) -> None:
+    expected = POSTGRESQL_FUNCTIONS if connection.vendor == "postgresql" else {}
+    assert tables() == {LOCK_TABLE, EVENT_TABLE}
+    assert functions() == expected
+    call_command("migrate", "distlock", "0001", verbosity=0)
+    assert tables() == {LOCK_TABLE, EVENT_TABLE}
+    assert functions() == {}
+    call_command("migrate", "distlock", "zero", verbosity=0)
+    assert tables() == set()
+    call_command("migrate", "distlock", verbosity=0)
+    assert tables() == {LOCK_TABLE, EVENT_TABLE}
+    assert functions() == expected
+    lease = acquire("migrated", ttl=30)
+    assert lease.release() is True
+
+
+@pytest.mark.skipif(
+    "connection.vendor != 'postgresql'", reason="PostgreSQL only: fillfactor is its option"
+)
+def test_postgresql_lock_table_fillfactor_goes_with_the_functions(migrated_back: None) -> None:
+    def options() -> list[str] | None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT reloptions FROM pg_class WHERE relname = %s", [LOCK_TABLE])
+            return cursor.fetchone()[0]
+
+    assert options() == ["fillfactor=70"]
+    call_command("migrate", "distlock", "0001", verbosity=0)
+    assert options() is None
+    call_command("migrate", "distlock", verbosity=0)
+    assert options() == ["fillfactor=70"]
+
+
+def test_a_database_the_pre_release_series_migrated_counts_as_migrated() -> None:
+    """The records a pre-release leaves (0001 and 0003–0007, no 0002) mean 0002 is applied."""
+    recorder = MigrationRecorder(connection)
+    squashed = ("distlock", "0002_postgresql_functions")
+    pre_release = [("distlock", name) for name in PRE_RELEASE]
+    applied = recorder.applied_migrations()
+    assert squashed in applied
+    # Applying 0002 records the names it replaces too: add only what is missing.
+    added = [key for key in pre_release if key not in applied]
+    try:
+        recorder.record_unapplied(*squashed)
+        for key in added:
+            recorder.record_applied(*key)
+        loader = MigrationLoader(connection)
+        assert loader.replacements[squashed].replaces == pre_release
+        assert squashed in loader.applied_migrations
+        assert set(loader.graph.leaf_nodes("distlock")) == {squashed}
+        call_command("migrate", "distlock", verbosity=0)  # records 0002, runs nothing
+        assert squashed in recorder.applied_migrations()
+    finally:
+        for key in added:
+            recorder.record_unapplied(*key)
+        if squashed not in recorder.applied_migrations():
+            recorder.record_applied(*squashed)
