@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
@@ -130,9 +130,11 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
     configs = app_configs if app_configs is not None else apps.get_app_configs()
     messages: list[CheckMessage] = []
     for config in configs:
-        for model in config.get_models():
-            if not issubclass(model, FencedModel):
+        for candidate in config.get_models():
+            if not issubclass(candidate, FencedModel):
                 continue
+            # Checked just above; get_models() is typed as returning Any | type[Model].
+            model = cast("type[FencedModel]", candidate)
             plain = [
                 manager.name for manager in (*model._meta.managers, model._base_manager)
                 if not is_fenced_manager(manager)

@@ -156,7 +156,10 @@ class Lease:
         with self._mutex:
             if self._released:
                 return False
-            held, released_us = db.run(self.using, "release", self.name, self.owner, self.token)
+            released: tuple[bool, int | None] = db.run(
+                self.using, "release", self.name, self.owner, self.token
+            )
+            held, released_us = released
             # Only now: a release that failed (database down) may be tried again.
             self._released = True
         self._released_by_database(held, released_us)

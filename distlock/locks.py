@@ -23,12 +23,12 @@ from distlock import db, signals, uncommitted
 from distlock.backends import backend_for
 from distlock.backends.base import Busy, Grant
 from distlock.conf import conf
+from distlock.constants import HOLDER_LENGTH
 from distlock.exceptions import LockTimeout
 from distlock.leases import Lease, LostCallback, logger
 from distlock.names import NameTemplate
 from distlock.times import from_us
 from distlock.validation import (
-    MAX_NAME_LENGTH,
     Seconds,
     check_name,
     check_owner,
@@ -69,7 +69,7 @@ def describe_holder(extra: str = "") -> str:
     parts = [_hostname(), f"pid={os.getpid()}", f"thread={thread}"]
     if extra:
         parts.append(extra)
-    return " ".join(parts)[:MAX_NAME_LENGTH]
+    return " ".join(parts)[:HOLDER_LENGTH]
 
 
 def refuse_async(func: object, decorator: str) -> None:

@@ -9,7 +9,7 @@ timestamps and MariaDB's session time zones would not.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -24,8 +24,13 @@ from distlock.constants import (
 )
 from distlock.times import from_us
 
+if TYPE_CHECKING:
+    _CharField = models.CharField[str, str]
+else:  # CharField is not subscriptable at run time without django-stubs-ext's patch.
+    _CharField = models.CharField
 
-class LockNameField(models.CharField):
+
+class LockNameField(_CharField):
     """A CharField that compares exactly on every backend.
 
     MariaDB's and MySQL's default collations fold case, accents and trailing spaces, which

@@ -61,24 +61,26 @@ class RefuseLowerFenceToken(Operation):
     def trigger_name(table: str) -> str:
         return fence_trigger_name(table)
 
-    def database_forwards(
-        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
-    ) -> None:
-        target = self._target(app_label, schema_editor, to_state)
+    def _apply(self, app_label: str, schema_editor: Any, state: Any, *, install: bool) -> None:
+        target = self._target(app_label, schema_editor, state)
         if target is None:
             return
         backend, model = target
-        column = model._meta.get_field(FENCE_FIELD).column
-        backend.install_fence_trigger(schema_editor, model._meta.db_table, column)
+        if install:
+            column = model._meta.get_field(FENCE_FIELD).column
+            backend.install_fence_trigger(schema_editor, model._meta.db_table, column)
+        else:
+            backend.drop_fence_trigger(schema_editor, model._meta.db_table)
+
+    def database_forwards(
+        self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
+    ) -> None:
+        self._apply(app_label, schema_editor, to_state, install=True)
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        target = self._target(app_label, schema_editor, from_state)
-        if target is None:
-            return
-        backend, model = target
-        backend.drop_fence_trigger(schema_editor, model._meta.db_table)
+        self._apply(app_label, schema_editor, from_state, install=False)
 
     def describe(self) -> str:
         return f"Refuse UPDATEs lowering {self.model_name}.{FENCE_FIELD} (PostgreSQL trigger)"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.db.models import F, Model, Q, Value
 from django.db.models.functions import Concat, Lower, Upper
 from hypothesis import HealthCheck, event, given, settings
@@ -245,6 +246,8 @@ def test_fenced_update_keeps_every_row_under_the_lease(setup, data):
         }
         if len(assigned) == len(spec.name_fields) and spec.name(assigned) != name:
             return False  # every field of the name gets a value: compared before any SQL
+        if assigned.get("id") == 0 and not connection.features.allows_auto_pk_0:
+            return False  # Django refuses 0 for an AutoField here (MariaDB/MySQL)
         return all(
             spec.name(before[pk]) == name and spec.name({**before[pk], **assigned}) == name
             for pk in matched

@@ -213,22 +213,32 @@ class Backend:
         )
         return cursor.fetchone()
 
-    def update_returning(
-        self, cursor: Any, sql: str, params: list[Any], columns: str, name: str
+    def update_row(
+        self, cursor: Any, name: str, changes: str, condition: str, params: list[Any], *,
+        returning: str,
     ) -> Any:
-        """Run an UPDATE of row ``name``; return ``columns`` of it, or None if it matched
-        nothing.
+        """``UPDATE`` row ``name`` ``SET changes WHERE condition``; return its columns
+        ``returning``, or None if the condition did not hold.
 
-        The caller holds the row lock, so the follow-up SELECT (where RETURNING is
-        missing) reads exactly what the UPDATE wrote.
+        ``{now}`` in ``changes`` and ``condition`` is the database's real-time clock, read
+        as the statement runs — after the row lock is held. ``params`` are those of
+        ``changes`` then those of ``condition``. The caller holds the row lock, so the
+        follow-up SELECT (where RETURNING is missing) reads exactly what the UPDATE wrote.
         """
+        now = self.now_sql()
+        split = changes.count("%s")
+        sql = (
+            f"UPDATE {TABLE} SET {changes.replace('{now}', now)} "
+            f"WHERE name = %s AND ({condition.replace('{now}', now)})"
+        )
+        params = [*params[:split], name, *params[split:]]
         if self.has_update_returning:
-            cursor.execute(f"{sql} RETURNING {columns}", params)
+            cursor.execute(f"{sql} RETURNING {returning}", params)
             return cursor.fetchone()
         cursor.execute(sql, params)
         if cursor.rowcount == 0:
             return None
-        cursor.execute(f"SELECT {columns} FROM {TABLE} WHERE name = %s", [name])
+        cursor.execute(f"SELECT {returning} FROM {TABLE} WHERE name = %s", [name])
         return cursor.fetchone()
 
     def acquire_existing(
@@ -241,14 +251,13 @@ class Backend:
         token, current_owner, current_holder, expires_us = row
         if token >= MAX_TOKEN:
             raise exhausted(name)
-        now = self.now_sql()
-        granted = self.update_returning(
-            cursor,
-            f"UPDATE {TABLE} SET token = token + 1, owner = %s, holder = %s, "
-            f"acquired_us = {now}, renewed_us = NULL, expires_us = {now} + %s, "
-            f"renew_count = 0 WHERE name = %s AND (owner = '' OR expires_us <= {now})",
-            [owner, holder, ttl_us, name],
-            "token, acquired_us, expires_us", name,
+        granted = self.update_row(
+            cursor, name,
+            "token = token + 1, owner = %s, holder = %s, acquired_us = {now}, "
+            "renewed_us = NULL, expires_us = {now} + %s, renew_count = 0",
+            "owner = '' OR expires_us <= {now}",
+            [owner, holder, ttl_us],
+            returning="token, acquired_us, expires_us",
         )
         if granted is not None:
             new_token, acquired_us, new_expires_us = granted
@@ -292,14 +301,12 @@ class Backend:
             return RENEW_REFUSED["missing"]
         if (row[1], row[0]) != (owner, token):
             return RENEW_REFUSED["changed"]
-        now = self.now_sql()
-        renewed = self.update_returning(
-            cursor,
-            f"UPDATE {TABLE} SET renewed_us = {now}, expires_us = {now} + %s, "
-            f"renew_count = renew_count + 1 "
-            f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {now}",
-            [ttl_us, name, owner, token],
-            "token, renewed_us, expires_us", name,
+        renewed = self.update_row(
+            cursor, name,
+            "renewed_us = {now}, expires_us = {now} + %s, renew_count = renew_count + 1",
+            "owner = %s AND token = %s AND expires_us > {now}",
+            [ttl_us, owner, token],
+            returning="token, renewed_us, expires_us",
         )
         if renewed is None:
             return RENEW_REFUSED["expired"]
@@ -317,12 +324,9 @@ class Backend:
         if row is None or (row[1], row[0]) != (owner, token):
             return False, None
         expires_us = row[3]
-        released = self.update_returning(
-            cursor,
-            f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {self.now_sql()} "
-            "WHERE name = %s AND owner = %s AND token = %s",
-            [name, owner, token],
-            "expires_us", name,
+        released = self.update_row(
+            cursor, name, "owner = '', holder = '', expires_us = {now}",
+            "owner = %s AND token = %s", [owner, token], returning="expires_us",
         )
         released_us = int(released[0])
         return expires_us > released_us, released_us

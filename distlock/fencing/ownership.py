@@ -80,9 +80,9 @@ class SameName(_Condition):
 
     def as_sql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
-    ) -> tuple[str, list[Any]]:
+    ) -> tuple[str, tuple[Any, ...]]:
         sql, params = compiler.compile(self.expression)
-        return backend_for(connection).name_equals_sql(sql), [*params, self.name]
+        return backend_for(connection).name_equals_sql(sql), (*params, self.name)
 
 
 class LeaseHolds(_Condition):
@@ -102,10 +102,10 @@ class LeaseHolds(_Condition):
 
     def as_sql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
-    ) -> tuple[str, list[Any]]:
+    ) -> tuple[str, tuple[Any, ...]]:
         sql = backend_for(connection).folded_owner_check_sql
         assert sql is not None, "folded_check() builds LeaseHolds only where the backend has it"
-        return sql, list(self.params)
+        return sql, tuple(self.params)
 
 
 def folded_check(model: type[models.Model], lease: Lease, using: str) -> LeaseHolds | None:

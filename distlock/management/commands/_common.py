@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
-from django.core.management.base import CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from distlock.conf import conf
 from distlock.constants import MAX_SECONDS
@@ -75,3 +77,30 @@ def lock_alias(database: str | None) -> str:
     if database not in settings.DATABASES:
         raise CommandError(f"--database {database!r} is not an alias in settings.DATABASES")
     return database
+
+
+class LockCommand(BaseCommand):
+    """A distlock command: ``--database`` picks the lock database (default: distlock's).
+
+    The alias is checked before anything else the command does, so a misspelt alias
+    changes nothing; ``run()`` gets it checked, and the command's other options. The
+    help text is the first paragraph of the command module's docstring: one place for it.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        doc = sys.modules[cls.__module__].__doc__ or ""
+        cls.help = " ".join(doc.partition("\n\n")[0].split())
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        self.add_options(parser)
+        parser.add_argument("--database", help="Lock database alias (default: distlock's).")
+
+    def add_options(self, parser: CommandParser) -> None:
+        """Add the command's own arguments."""
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        self.run(lock_alias(options["database"]), **options)
+
+    def run(self, alias: str, **options: Any) -> None:
+        raise NotImplementedError

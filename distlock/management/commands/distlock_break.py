@@ -1,4 +1,7 @@
-"""manage.py distlock_break NAME: free a lock whoever holds it, through the public API."""
+"""Break lock NAME: free it now, so the next grant gets a higher token and the holder's
+renew, release and fenced writes fail. With --owner/--token only that grant is broken.
+Exits non-zero when nothing was broken.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +9,10 @@ import getpass
 import socket
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from distlock.locks import break_lock
-from distlock.management.commands._common import lock_alias, parse_int
+from distlock.management.commands._common import LockCommand, parse_int
 from distlock.models import Lock
 from distlock.validation import check_name
 
@@ -22,22 +25,14 @@ def _who() -> str:
     return f"manage.py distlock_break ({user}@{socket.gethostname()})"
 
 
-class Command(BaseCommand):
-    help = (
-        "Break lock NAME: free it now, so the next grant gets a higher token and the "
-        "holder's renew, release and fenced writes fail. With --owner/--token only that "
-        "grant is broken. Exits non-zero when nothing was broken."
-    )
-
-    def add_arguments(self, parser: CommandParser) -> None:
+class Command(LockCommand):
+    def add_options(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="The lock name, exactly.")
         parser.add_argument("--owner", help="Break only if this owner (32 hex) holds it.")
         # Parsed in handle(), not by argparse (type=int), whose error exits with status 2.
         parser.add_argument("--token", help="Break only if this is its token.")
-        parser.add_argument("--database", help="Lock database alias (default: distlock's).")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        alias = lock_alias(options["database"])
+    def run(self, alias: str, **options: Any) -> None:
         token = options["token"]
         if isinstance(token, str):  # call_command() may also pass an int
             token = parse_int(token, "--token")

@@ -1,4 +1,6 @@
-"""manage.py distlock_doctor: is this deployment's lock database set up safely?
+"""Check the lock database: clock skew against this server, SQLite transaction mode,
+MariaDB/MySQL collation and isolation, the tables, and whether locks can be taken inside
+your transactions. Exits non-zero on any FAIL.
 
 It looks at what the system checks cannot see without a connection: the live clocks,
 the collation the lock table really got, the session isolation level, the tables.
@@ -10,7 +12,7 @@ import time
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -18,7 +20,7 @@ from distlock.backends import backend_for, backend_named
 from distlock.backends.base import FAIL, OK, WARN
 from distlock.conf import conf
 from distlock.db import db_now_us, same_settings
-from distlock.management.commands._common import lock_alias, parse_seconds
+from distlock.management.commands._common import LockCommand, parse_seconds
 
 
 def measure_skew(alias: str, samples: int = 5) -> tuple[float, float]:
@@ -40,23 +42,15 @@ def measure_skew(alias: str, samples: int = 5) -> tuple[float, float]:
     return best
 
 
-class Command(BaseCommand):
-    help = (
-        "Check the lock database: clock skew against this server, SQLite transaction "
-        "mode, MariaDB/MySQL collation and isolation, the tables, and whether locks can be "
-        "taken inside your transactions. Exits non-zero on any FAIL."
-    )
-
-    def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--database", help="Lock database alias (default: distlock's).")
+class Command(LockCommand):
+    def add_options(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--max-skew", default="1",
             help="Warn when the clocks differ by more than this many seconds (default 1).",
         )
 
-    def handle(self, *args: Any, **options: Any) -> None:
+    def run(self, alias: str, **options: Any) -> None:
         max_skew = parse_seconds(str(options["max_skew"]), "--max-skew")
-        alias = lock_alias(options["database"])
         connection = connections[alias]
         self.results: list[tuple[str, str]] = []
         self._say(OK, f"lock database {alias!r}: {connection.vendor} "

@@ -1,33 +1,28 @@
-"""manage.py distlock_list: the lock table with each lock's state by the database clock."""
+"""List locks: name, state (held / expired / free by the database clock), token, holder,
+expiry and renewal count.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import CommandParser
 
-from distlock.management.commands._common import lock_alias
+from distlock.management.commands._common import LockCommand
 from distlock.status import FREE, HELD, describe, locks, relative
 
 COLUMNS = ["name", "state", "token", "holder", "expires", "renews"]
 
 
-class Command(BaseCommand):
-    help = (
-        "List locks: name, state (held / expired / free by the database clock), token, "
-        "holder, expiry and renewal count."
-    )
-
-    def add_arguments(self, parser: CommandParser) -> None:
+class Command(LockCommand):
+    def add_options(self, parser: CommandParser) -> None:
         parser.add_argument("--held", action="store_true", help="Only locks held right now.")
         parser.add_argument(
             "--json", action="store_true", help="Print a JSON list (one object per lock)."
         )
-        parser.add_argument("--database", help="Lock database alias (default: distlock's).")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        alias = lock_alias(options["database"])
+    def run(self, alias: str, **options: Any) -> None:
         rows = locks(alias).order_by("name")
         if options["held"]:
             rows = rows.filter(state=HELD)

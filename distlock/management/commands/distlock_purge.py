@@ -1,4 +1,6 @@
-"""manage.py distlock_purge: delete idle lock rows and old audit events.
+"""Delete lock rows free or expired for at least --idle (default 1d) and audit events older
+than --events-older-than (default DISTLOCK_AUDIT_RETENTION). Durations: seconds or 90s,
+15m, 12h, 7d, 2w.
 
 Thin over :func:`distlock.purge_locks` (which keeps the row with the largest token, so a
 purged name that comes back still gets a higher token) and
@@ -10,21 +12,15 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from distlock.audit import purge_events, retention
 from distlock.locks import purge_locks
-from distlock.management.commands._common import lock_alias, parse_duration
+from distlock.management.commands._common import LockCommand, parse_duration
 
 
-class Command(BaseCommand):
-    help = (
-        "Delete lock rows free or expired for at least --idle (default 1d) and audit "
-        "events older than --events-older-than (default DISTLOCK_AUDIT_RETENTION). "
-        "Durations: seconds or 90s, 15m, 12h, 7d, 2w."
-    )
-
-    def add_arguments(self, parser: CommandParser) -> None:
+class Command(LockCommand):
+    def add_options(self, parser: CommandParser) -> None:
         parser.add_argument("--idle", default="1d", help="Minimum idle time of a lock row.")
         parser.add_argument(
             "--events-older-than", dest="events", help="Age of audit events to delete."
@@ -32,10 +28,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--skip-events", action="store_true", help="Leave the audit history alone."
         )
-        parser.add_argument("--database", help="Lock database alias (default: distlock's).")
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        alias = lock_alias(options["database"])
+    def run(self, alias: str, **options: Any) -> None:
         idle = parse_duration(options["idle"], "--idle")
         events = None
         if options["events"] is not None:
