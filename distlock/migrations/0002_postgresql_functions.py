@@ -48,6 +48,8 @@ step by step: a database that applied all of those counts it as applied.
 """
 
 from django.db import migrations
+from django.db.backends.base.schema import BaseDatabaseSchemaEditor
+from django.db.migrations.state import StateApps
 
 NOW_US = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
 KEY = "1684825963, hashtext(p_name)"
@@ -234,12 +236,12 @@ DROP FUNCTION IF EXISTS distlock_channel(text);
 """
 
 
-def create(apps, schema_editor):
+def create(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(FUNCTIONS, params=None)
 
 
-def drop(apps, schema_editor):
+def drop(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(DROP, params=None)
 
