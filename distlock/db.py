@@ -139,11 +139,3 @@ def db_now_us(alias: str) -> int:
     connection = connections[alias]
     with connection.cursor() as cursor:
         return backend_for(connection).now(cursor)
-
-
-# -- compatibility for distlock/fencing.py, until it asks backend_for() itself -----------
-
-
-
-
-
