@@ -12,6 +12,7 @@ import re
 
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission
 from django.test import Client
 from django.urls import reverse
@@ -349,6 +350,42 @@ def test_staff_without_break_permission_has_no_action_and_forged_post_fails(
     row = Lock.objects.get(name="guarded")
     assert (row.owner, row.token) == (lease.owner, lease.token)
     assert not LogEntry.objects.exists()
+
+
+def test_every_permission_but_break_does_not_break_by_the_list_or_the_lock_page(
+    django_user_model,
+):
+    """All of distlock's other permissions (change and delete among them) give no break."""
+    lease = acquire("guarded:all-but", ttl=30)
+    others = Permission.objects.filter(content_type__app_label="distlock").exclude(
+        codename="break_lock"
+    )
+    codenames = sorted(permission.codename for permission in others)
+    assert {"view_lock", "change_lock", "delete_lock"} <= set(codenames)
+    client = Client()
+    client.force_login(user_with(django_user_model, "almost", *codenames))
+    listed = client.get(reverse(CHANGELIST))
+    assert listed.status_code == 200 and result_names(listed) == ["guarded:all-but"]
+    assert "break_selected" not in listed.content.decode()
+    expect = [json.dumps(["guarded:all-but", lease.owner, lease.token])]
+    confirmed = client.post(
+        reverse(CHANGELIST),
+        {"action": "break_selected", "_selected_action": ["guarded:all-but"], "post": "yes",
+         "expect": expect},
+        follow=True,
+    )
+    assert messages_of(confirmed) == ["No action selected."]
+    # The lock's own page shows it read-only; a POST there (the action's fields, or a
+    # cleared owner) is refused.
+    page = reverse("admin:distlock_lock_change", args=[quote("guarded:all-but")])
+    assert client.get(page).status_code == 200
+    for forged in ({"action": "break_selected", "post": "yes", "expect": expect},
+                   {"owner": "", "token": lease.token}):
+        assert client.post(page, forged).status_code == 403
+    row = Lock.objects.get(name="guarded:all-but")
+    assert (row.owner, row.token) == (lease.owner, lease.token)
+    assert not LogEntry.objects.exists()
+    assert lease.release() is True
 
 
 def test_staff_without_view_permission_is_forbidden(django_user_model):

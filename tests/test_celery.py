@@ -40,6 +40,7 @@ from tests.support.celery_app import (
     app,
     broker_url,
     configure,
+    fail,
     hold_raise,
     hold_renewed,
     hold_retry,
@@ -399,6 +400,21 @@ def test_a_retried_task_releases_and_gets_a_higher_token(celery):
     assert second["token"] == first["token"] + 1 and first["owner"] != second["owner"]
     assert celery.events.all(kind="busy", task_id=task_id) == []
     assert released(f"test:{k}").token == end["token"]
+
+
+def test_a_task_whose_body_raises_releases_its_lock_at_once(celery):
+    k = key()
+    task_id = fail.delay(k).id
+    failed = celery.events.wait(kind="failed", task_id=task_id)[0]
+    assert failed["error"] == "RuntimeError" and "the body failed" in failed["message"]
+    start = celery.events.all(kind="start", task_id=task_id)[0]
+    row = released(f"test:{k}")
+    assert row.token == start["token"]
+    # Freed by a release (it records the release time), 30 s before the ttl would have.
+    assert row.expires_us < start["expires_us"] - 20_000_000
+    following = acquire(f"test:{k}", ttl=30, blocking=False)
+    assert following is not None and following.token == start["token"] + 1
+    assert following.release() is True
 
 
 def test_unbound_task_with_a_callable_name_sees_current_lease(celery):

@@ -6,7 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
+from django.core.checks import Tags, run_checks
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from django.db import connections
 from django.test import override_settings
 
 from distlock import checks
@@ -142,3 +145,56 @@ def test_the_test_database_passes_the_database_checks():
 
 def test_configured_test_settings_pass_the_checks():
     call_command("check", "--fail-level", "WARNING")
+
+
+# --- the database checks through Django's check framework -----------------------------
+#
+# What each backend can trigger for real: W001 (ATOMIC_REQUESTS) everywhere; E003 and E004
+# (transaction mode, busy timeout) on SQLite; W002 (charset, or the live table's
+# collation) on MariaDB/MySQL. PostgreSQL has no checks of its own, so only W001 there.
+# E002 (an unsupported vendor) needs a DATABASES entry whose backend Django can load but
+# distlock does not support; none is installed here (Oracle needs its driver), so it is
+# covered through database_messages() above only.
+
+TRIGGERS = {
+    "distlock.W001": (None, {"ATOMIC_REQUESTS": True}),
+    "distlock.E003": ("sqlite", {"OPTIONS": {"timeout": 5}}),
+    "distlock.E004": ("sqlite", {"OPTIONS": {"transaction_mode": "IMMEDIATE"}}),
+    "distlock.W002": ("mysql", {"OPTIONS": {"charset": "utf8mb3"}}),
+}
+
+
+def registered_database_checks(**kwargs) -> list[str]:
+    """The distlock ids that Django's own check run reports (registered checks only)."""
+    return [found for found in ids(run_checks(**kwargs)) if found.startswith("distlock.")]
+
+
+@pytest.mark.parametrize("check_id", sorted(TRIGGERS))
+def test_the_registered_database_check_runs_in_djangos_check_framework(check_id, monkeypatch):
+    """The lock alias (DISTLOCK_DATABASE) set up wrong: Django's check run reports it."""
+    vendor, changes = TRIGGERS[check_id]
+    this_run = connections["locks"].vendor
+    if vendor is not None and vendor != this_run:
+        pytest.skip(f"{check_id} is a {vendor} check (this run: {this_run})")
+    with override_settings(DISTLOCK_DATABASE="locks"):
+        assert registered_database_checks(tags=[Tags.database]) == []
+        for key, value in changes.items():
+            monkeypatch.setitem(connections["locks"].settings_dict, key, value)
+        assert registered_database_checks(tags=[Tags.database]) == [check_id]
+        # A plain `manage.py check` runs it too (Django 5.2 runs database-tagged checks
+        # with databases=None): these findings need the settings only, not a connection.
+        assert registered_database_checks() == [check_id]
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "locks"])
+def test_check_with_the_lock_database_reports_its_warning(monkeypatch):
+    """`manage.py check --database` on the lock alias fails on distlock.W001."""
+    with override_settings(DISTLOCK_DATABASE="locks"):
+        monkeypatch.setitem(connections["locks"].settings_dict, "ATOMIC_REQUESTS", True)
+        with pytest.raises(SystemCheckError, match=r"distlock\.W001"):
+            call_command("check", "--database", "locks", "--fail-level", "WARNING")
+
+
+def test_w002_of_the_live_table_through_the_check_framework(folding_name_column):
+    assert "distlock.W002" not in registered_database_checks(tags=[Tags.database])
+    assert registered_database_checks(databases=["default"]) == ["distlock.W002"]

@@ -216,6 +216,14 @@ def killable(self: Any, key: str, *, lease: Any) -> int:
     return lease.token
 
 
+@app.task(bind=True, name="tests.fail")
+@locked_task("test:{key}", ttl=30, on_contention="raise")
+def fail(self: Any, key: str, *, lease: Any) -> None:
+    """The body raises: the lock must be released then, not left to run out its ttl."""
+    _lease_event("start", self, key, lease)
+    raise RuntimeError(f"the body failed holding token {lease.token}")
+
+
 @app.task(name="tests.unbound")
 @locked_task(lambda key: f"test:{key}", ttl=30, on_contention="raise")
 def unbound(key: str) -> None:
