@@ -169,14 +169,18 @@ def test_first_use_of_many_names_races_without_deadlocks(children, isolation):
     assert Lock.objects.filter(name__in=names).count() == len(names)
 
 
-def test_purge_racing_first_uses_never_lowers_a_token(children):
+@pytest.mark.parametrize("isolation", ["", "repeatable read"])
+def test_purge_racing_first_uses_never_lowers_a_token(children, isolation):
     """Purgers delete every idle row, over and over, in batches of two, while processes
     acquire and release the same few names: each grant of a name is very often the first
     use of a purged name. Its tokens must still only go up, across every re-creation."""
+    if isolation and connections["default"].vendor != "mysql":
+        pytest.skip("gap locks under REPEATABLE READ are a MariaDB/MySQL matter")
+    env = {"DISTLOCK_TEST_ISOLATION": isolation}
     names = [f"purged:{i}" for i in range(5)]
-    cyclers = [children.start("cycle_names", names[n:] + names[:n], 120, 30.0)
+    cyclers = [children.start("cycle_names", names[n:] + names[:n], 120, 30.0, env=env)
                for n in range(3)]
-    purgers = [children.start("purge_loop", 2) for _ in range(2)]
+    purgers = [children.start("purge_loop", 2, env=env) for _ in range(2)]
     for proc in cyclers + purgers:
         proc.expect("ready", timeout=60)
     for proc in cyclers + purgers:
