@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import databases as dbs  # noqa: E402
+from benchmarks import rows_admin  # noqa: E402
 from benchmarks.harness import percentile  # noqa: E402
 
 BACKENDS = ("postgresql", "mariadb", "sqlite")
@@ -73,9 +74,10 @@ def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
             databases[alias("sqlite", size)] = dbs.sqlite_settings(f"{folder}/{name}.sqlite3")
     databases["default"] = next(iter(databases.values()))
     settings.configure(
-        DATABASES=databases, INSTALLED_APPS=["django.contrib.contenttypes", "distlock"],
+        DATABASES=databases,
+        INSTALLED_APPS=["django.contrib.contenttypes", *rows_admin.APPS, "distlock"],
         USE_TZ=True, SECRET_KEY="bench", DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-        DEBUG=False,
+        DEBUG=False, **rows_admin.SETTINGS,
     )
     django.setup()
 
@@ -141,13 +143,17 @@ def fill(db_alias: str, size: int) -> None:
             _progress(f"{db_alias}: filling {size:,} rows")
             cursor.execute("DELETE FROM distlock_lock WHERE name LIKE 'fill:%%'")
             cursor.execute(FILL[connection.vendor].format(last=size - 1))
-            if connection.vendor == "postgresql":
-                cursor.execute("VACUUM ANALYZE distlock_lock")
-            elif connection.vendor == "mysql":
+            if connection.vendor == "mysql":
                 cursor.execute("ANALYZE TABLE distlock_lock")
                 cursor.fetchall()
-            else:
+            elif connection.vendor == "sqlite":
                 cursor.execute("ANALYZE")
+        # Start each run from written-out tables, not behind a fill's WAL.
+        if connection.vendor == "postgresql":
+            cursor.execute("VACUUM ANALYZE distlock_lock")
+            cursor.execute("CHECKPOINT")
+        elif connection.vendor == "sqlite":
+            cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     for i in range(HOT_NAMES):
         lease = acquire(f"hot:{i:03d}", ttl=TTL, using=db_alias, blocking=False)
         if lease is not None:
@@ -254,6 +260,30 @@ def purge_beside(db_alias: str, cycles: int) -> dict[str, Any]:
             "beside_p99": percentile(beside, 0.99) if beside else None}
 
 
+def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
+    """The admin pages on both tables, as configured, and on the large one also with
+    Django's defaults (a second count of the whole table under a filter or search, and
+    facet counts on request)."""
+    from django.contrib import admin
+
+    from distlock.models import Lock
+
+    model_admin = admin.site._registry[Lock]
+    small, big = (rows_admin.time_pages(alias(backend, size), args.admin_repeat)
+                  for size in sizes)
+    tuned = (model_admin.show_full_result_count, model_admin.show_facets)
+    model_admin.show_full_result_count, model_admin.show_facets = True, admin.ShowFacets.ALLOW
+    try:
+        defaults = rows_admin.time_pages(alias(backend, sizes[1]), args.admin_repeat)
+    finally:
+        model_admin.show_full_result_count, model_admin.show_facets = tuned
+    s, b = label(sizes[0]), label(sizes[1])
+    print(f"\n| admin ({backend}, median ms) | {s} | {b} | {b}, Django's defaults |\n"
+          "|---|---:|---:|---:|")
+    for page in small:
+        print(f"| {page} | {small[page]:,.1f} | {big[page]:,.1f} | {defaults[page]:,.1f} |")
+
+
 def _progress(text: str) -> None:
     print(f"  … {text}", file=sys.stderr, flush=True)
 
@@ -301,6 +331,8 @@ def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
         share = hot / upd if upd else 0.0
         print(f"\nHOT updates of distlock_lock during the run ({label(sizes[1])} table): "
               f"{hot:,} of {upd:,} = {share:.1%} (all time: {after[1]:,} of {after[0]:,})")
+    if not args.no_admin:
+        admin_pages(backend, sizes, args)
     if not args.no_purge:
         got = purge_beside(alias(backend, sizes[1]), args.cycles)
         print(f"\npurge beside acquire ({label(sizes[1])} idle rows): deleted "
@@ -322,11 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=500, help="cycles per round")
     parser.add_argument("--big", type=int, default=1_000_000, help="rows of the large table")
     parser.add_argument("--no-purge", action="store_true", help="skip purge beside acquire")
+    parser.add_argument("--no-admin", action="store_true", help="skip the admin pages")
+    parser.add_argument("--admin-repeat", type=int, default=5, help="timed fetches per page")
     parser.add_argument("--token-index", action="store_true",
                         help="measure with an index on token (the alternative to the floor)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.firsts, args.cycles, args.big = 1, 30, 50, 20_000
+        args.admin_repeat = 1
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {', '.join(BACKENDS)}")
