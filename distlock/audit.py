@@ -23,6 +23,7 @@ from django.dispatch import Signal
 
 from distlock import signals
 from distlock.conf import conf
+from distlock.constants import PURGE_BATCH
 from distlock.status import database_now
 from distlock.validation import check_seconds, check_using
 
@@ -174,7 +175,9 @@ def purge_events(
     """Delete audit events older than ``older_than`` (default: the retention setting).
 
     Age is measured by the database clock, as the events' times are. Returns how many
-    rows were deleted; 0 when retention is None and no ``older_than`` is given.
+    rows were deleted; 0 when retention is None and no ``older_than`` is given. Deletes
+    in batches of ``PURGE_BATCH`` rows, one short transaction each (unless the caller
+    holds a transaction open around it).
     Raises TypeError/ValueError for a bad age (nothing is deleted).
     """
     from distlock.models import LockEvent
@@ -189,8 +192,21 @@ def purge_events(
             raise ValueError(f"older_than must not be negative, not {seconds}")
     alias = check_using(using)
     cutoff = database_now(alias) - round(seconds * 1e6)
-    deleted, _ = LockEvent.objects.using(alias).filter(at_us__lt=cutoff).delete()
-    return deleted
+    events = LockEvent.objects.using(alias)
+    # In batches of PURGE_BATCH, oldest first through the at_us index, each DELETE its
+    # own transaction (in autocommit): years of history never sit under one statement's
+    # locks, and the recording of new events goes on beside it.
+    deleted = 0
+    while True:
+        ids = list(
+            events.filter(at_us__lt=cutoff).order_by("at_us").values_list("id", flat=True)[
+                :PURGE_BATCH
+            ]
+        )
+        if not ids:
+            return deleted
+        count, _ = events.filter(id__in=ids).delete()
+        deleted += count
 
 
 def check_audit_settings(

@@ -9,6 +9,14 @@ from __future__ import annotations
 # The lock table and the audit history, as created by distlock's migrations.
 LOCK_TABLE = "distlock_lock"
 EVENT_TABLE = "distlock_lockevent"
+# One row: the largest token of any lock row purge_locks() deleted. A new lock row starts
+# above it (see Backend.acquire_new).
+FLOOR_TABLE = "distlock_floor"
+FLOOR_ID = 1
+
+# Rows purge_locks() and audit retention delete per transaction: each batch holds its row
+# locks for a few milliseconds, never for the length of the whole purge.
+PURGE_BATCH = 1000
 
 # The column every fenced model has: the highest fencing token that wrote the row.
 FENCE_FIELD = "fence_token"

@@ -23,7 +23,7 @@ from distlock import db, signals, uncommitted
 from distlock.backends import backend_for
 from distlock.backends.base import Busy, Grant
 from distlock.conf import conf
-from distlock.constants import HOLDER_LENGTH
+from distlock.constants import HOLDER_LENGTH, PURGE_BATCH
 from distlock.exceptions import LockTimeout
 from distlock.leases import Lease, LostCallback, logger
 from distlock.names import NameTemplate
@@ -361,13 +361,22 @@ def break_lock(
 def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) -> int:
     """Delete lock rows free or expired for at least ``idle``; return how many.
 
-    Fencing tokens stay safe: the row with the largest token is kept and new rows start
-    above it, so a purged name that comes back gets a higher token than it ever had.
+    Fencing tokens stay safe: each deleting transaction raises the token floor to the
+    largest token it deletes, and new rows start above the floor, so a purged name that
+    comes back gets a higher token than it ever had. Rows are deleted in batches of
+    ``PURGE_BATCH`` names, one short transaction each, so a purge of a large table never
+    holds row locks for long; rows that become idle while it runs may be left for the
+    next purge.
     """
     seconds = check_seconds(idle, "idle")
     if seconds < 0:
         raise ValueError(f"idle must not be negative, not {seconds}")
     alias = check_using(using)
     uncommitted.refuse_if_holding(None, alias, "purging locks")
-    purged: int = db.run(alias, "purge", round(seconds * 1e6))
+    idle_us = round(seconds * 1e6)
+    purged = 0
+    after: str | None = ""
+    while after is not None:
+        deleted, after = db.run(alias, "purge_batch", idle_us, after, PURGE_BATCH)
+        purged += deleted
     return purged

@@ -17,6 +17,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from distlock.backends import backend_named
 from distlock.constants import (
     EVENT_TABLE,
+    FLOOR_ID,
+    FLOOR_TABLE,
     HOLDER_LENGTH,
     LOCK_TABLE,
     MAX_NAME_LENGTH,
@@ -51,8 +53,9 @@ class Lock(models.Model):
     """A named lock: free, held until ``expires_us``, or expired.
 
     ``token`` is the fencing token of the latest grant. It only ever goes up: each grant
-    sets it to the previous value plus one, and a new row starts above every token in
-    the table, so purging idle rows cannot make a name start low again.
+    sets it to the previous value plus one, and a new row starts above the
+    :class:`TokenFloor`, which purging raises to every token it deletes, so a purged name
+    that comes back cannot start low again.
     """
 
     name = LockNameField(max_length=MAX_NAME_LENGTH, primary_key=True)
@@ -96,6 +99,28 @@ class Lock(models.Model):
     @property
     def is_free(self) -> bool:
         return not self.owner
+
+
+class TokenFloor(models.Model):
+    """One row (id 1): no purged lock row ever had a token above ``token``.
+
+    ``purge_locks()`` raises it to the largest token it deletes, in the deleting
+    transaction, and a new lock row starts at ``token + 1``: the first use of a name reads
+    one row instead of the largest token of the whole lock table (a full scan, since
+    ``token`` has no index; an index would end the heap-only updates of every grant).
+    Migration 0003 starts it at the lock table's largest token. If the row is missing
+    (a ``flush``), the next first use or purge puts it back from the same maximum.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=FLOOR_ID, editable=False)
+    token = models.BigIntegerField(default=0, editable=False)
+
+    class Meta:
+        db_table = FLOOR_TABLE
+        verbose_name = "token floor"
+
+    def __str__(self) -> str:
+        return f"token floor {self.token}"
 
 
 class LockEvent(models.Model):

@@ -139,7 +139,7 @@ def test_break_bad_input(args, message):
 # --- distlock_purge -----------------------------------------------------------------
 
 
-def test_purge_idle_rows_keeps_the_top_token_and_held_locks(settings):
+def test_purge_idle_rows_keeps_held_locks_and_tokens_rising(settings):
     settings.DISTLOCK_AUDIT = True
     old = acquire("old", ttl=30)
     old.release()
@@ -147,8 +147,8 @@ def test_purge_idle_rows_keeps_the_top_token_and_held_locks(settings):
     top = acquire("top", ttl=30)
     top.release()
     out = run("distlock_purge", "--idle", "0")
-    assert "Deleted 1 lock row(s)" in out
-    assert set(Lock.objects.values_list("name", flat=True)) == {"held", "top"}
+    assert "Deleted 2 lock row(s)" in out
+    assert set(Lock.objects.values_list("name", flat=True)) == {"held"}
     assert acquire("old", ttl=30).token > top.token
     assert held.release() is True
     assert "Deleted 0 audit event(s)" in out  # all events are new

@@ -19,7 +19,7 @@ from django.test.utils import CaptureQueriesContext
 from distlock import LockLost, acquire, break_lock
 from distlock.backends import backend_for
 from distlock.backends.postgresql import _BoundCursor
-from distlock.models import Lock
+from distlock.models import Lock, TokenFloor
 from tests.support.helpers import wait_expired
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -77,9 +77,9 @@ def test_the_lean_cursor_is_used_only_when_nobody_watches():
 
 
 @postgresql_only
-def test_grant_results_match_the_row_and_tokens_start_above_the_table():
+def test_grant_results_match_the_row_and_tokens_start_above_the_floor():
     acquire("high", ttl=30).release()
-    Lock.objects.filter(name="high").update(token=1000)
+    TokenFloor.objects.update_or_create(id=1, defaults={"token": 1000})
     lease = acquire("fresh-name", ttl=30)
     row = Lock.objects.get(name="fresh-name")
     assert lease.token == row.token == 1001

@@ -23,7 +23,7 @@ from distlock import (
 )
 from distlock.backends import backend_for
 from distlock.db import db_now_us
-from distlock.models import Lock
+from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -249,17 +249,38 @@ def test_purge_keeps_tokens_increasing():
     first.release()
     other = acquire("p2", ttl=30)
     other.release()
-    assert purge_locks(idle=0) == 1  # p2 holds the largest token and stays
-    assert list(Lock.objects.values_list("name", flat=True)) == ["p2"]
+    assert purge_locks(idle=0) == 2  # the floor remembers p2's token: no row need stay
+    assert not Lock.objects.exists()
+    assert TokenFloor.objects.get().token == other.token
     again = acquire("p1", ttl=30)
     assert again.token > first.token and again.token > other.token
     again.release()
     assert purge_locks(idle=timedelta(hours=1)) == 0
 
 
+def test_purge_deletes_in_batches_and_raises_the_floor(monkeypatch):
+    monkeypatch.setattr("distlock.locks.PURGE_BATCH", 3)
+    leases = [acquire(f"batch:{i}", ttl=30) for i in range(8)]
+    for lease in leases[1:]:
+        lease.release()
+    assert purge_locks(idle=0) == 7
+    assert list(Lock.objects.values_list("name", flat=True)) == ["batch:0"]
+    assert TokenFloor.objects.get().token == max(lease.token for lease in leases[1:])
+    assert acquire("batch:7", ttl=30).token == leases[7].token + 1
+    assert leases[0].release() is True
+
+
+def test_first_use_puts_a_missing_floor_back_from_the_table():
+    acquire("kept", ttl=30).release()
+    top = acquire("top", ttl=30)
+    top.release()
+    TokenFloor.objects.all().delete()  # as a flush leaves it
+    assert acquire("fresh", ttl=30).token == top.token + 1
+    assert TokenFloor.objects.get().token == top.token
+
+
 def test_purge_leaves_held_locks():
     held = acquire("held", ttl=30)
-    acquire("top", ttl=30).release()
     assert purge_locks(idle=0) == 0
     assert held.release() is True
 
@@ -289,7 +310,8 @@ def test_token_overflow_raises_and_grants_nothing():
     Lock.objects.filter(name="full").update(token=MAX_TOKEN)
     with pytest.raises(TokenExhausted):
         acquire("full", ttl=5, blocking=False)
-    # A new name would have to start above the largest token in the table.
+    # A new name would have to start above the token floor.
+    TokenFloor.objects.update_or_create(id=1, defaults={"token": MAX_TOKEN})
     with pytest.raises(TokenExhausted):
         acquire("brand-new", ttl=5, blocking=False)
     row = Lock.objects.get(name="full")

@@ -2,7 +2,9 @@
 
 0001_initial makes the tables; 0002_postgresql_functions makes PostgreSQL's server-side
 functions (nothing elsewhere). 0002 replaces the pre-release steps 0003–0007, so a
-database those migrated counts as migrated without running anything.
+database those migrated counts as migrated without running anything. 0003_token_floor
+makes the token floor, started at the table's largest token, and redefines
+distlock_acquire on PostgreSQL to start new rows above it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.recorder import MigrationRecorder
 
 from distlock import acquire
-from distlock.constants import EVENT_TABLE, LOCK_TABLE
+from distlock.constants import EVENT_TABLE, FLOOR_TABLE, LOCK_TABLE
+from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -40,8 +43,11 @@ PRE_RELEASE = [
 ]
 
 
+LATEST = ("distlock", "0003_token_floor")
+
+
 def tables() -> set[str]:
-    return {LOCK_TABLE, EVENT_TABLE} & set(connection.introspection.table_names())
+    return {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE} & set(connection.introspection.table_names())
 
 
 def functions() -> dict[str, str]:
@@ -76,6 +82,9 @@ def migrated_back() -> Iterator[None]:
 
 def test_migrations_run_back_to_zero_and_forwards_again(migrated_back: None) -> None:
     expected = POSTGRESQL_FUNCTIONS if connection.vendor == "postgresql" else {}
+    assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
+    assert functions() == expected
+    call_command("migrate", "distlock", "0002", verbosity=0)
     assert tables() == {LOCK_TABLE, EVENT_TABLE}
     assert functions() == expected
     call_command("migrate", "distlock", "0001", verbosity=0)
@@ -84,9 +93,34 @@ def test_migrations_run_back_to_zero_and_forwards_again(migrated_back: None) -> 
     call_command("migrate", "distlock", "zero", verbosity=0)
     assert tables() == set()
     call_command("migrate", "distlock", verbosity=0)
-    assert tables() == {LOCK_TABLE, EVENT_TABLE}
+    assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
     assert functions() == expected
     lease = acquire("migrated", ttl=30)
+    assert lease.release() is True
+
+
+def acquire_source() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = 'distlock_acquire'")
+        return str(cursor.fetchone()[0])
+
+
+def test_token_floor_starts_at_the_largest_token_of_an_existing_table(
+    migrated_back: None,
+) -> None:
+    """A database from before 0003 keeps its promise: a name purged before the migration
+    (its tokens at most the table's largest) comes back above all of them."""
+    call_command("migrate", "distlock", "0002", verbosity=0)
+    if connection.vendor == "postgresql":
+        assert "distlock_floor" not in acquire_source()
+    Lock.objects.create(name="kept-low", token=7, owner="", expires_us=0)
+    Lock.objects.create(name="kept-top", token=41, owner="", expires_us=0)
+    call_command("migrate", "distlock", verbosity=0)
+    assert TokenFloor.objects.get().token == 41
+    if connection.vendor == "postgresql":
+        assert "distlock_floor" in acquire_source()
+    lease = acquire("purged-before-0003", ttl=30)
+    assert lease.token == 42
     assert lease.release() is True
 
 
@@ -122,7 +156,7 @@ def test_a_database_the_pre_release_series_migrated_counts_as_migrated() -> None
         loader = MigrationLoader(connection)
         assert loader.replacements[squashed].replaces == pre_release
         assert squashed in loader.applied_migrations
-        assert set(loader.graph.leaf_nodes("distlock")) == {squashed}
+        assert set(loader.graph.leaf_nodes("distlock")) == {LATEST}
         call_command("migrate", "distlock", verbosity=0)  # records 0002, runs nothing
         assert squashed in recorder.applied_migrations()
     finally:

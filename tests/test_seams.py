@@ -189,7 +189,7 @@ def prepare_lock_op(op: str, name: str) -> dict[str, Any]:
     if op == "purge":
         acquire(name, ttl=30)
         break_lock(name)
-        # Purge keeps the row with the largest token: let it be another one.
+        # A held lock beside it, which purge must leave alone.
         acquire(f"{name}:top", ttl=30)
         return {}
     return {}

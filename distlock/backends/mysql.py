@@ -41,7 +41,9 @@ class MySQL(Backend):
         # exact.
         return "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)"
 
-    def insert_if_absent(self, table: str, columns: str, values: str) -> str:
+    def insert_if_absent(
+        self, table: str, columns: str, values: str, *, key: str = "name"
+    ) -> str:
         # INSERT IGNORE, not "lock if exists else insert": the locking read of a missing
         # key takes a gap lock, and two first users of nearby names then deadlock.
         return f"INSERT IGNORE INTO {table} {columns} {values}"

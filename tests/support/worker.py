@@ -150,7 +150,46 @@ def first_use(names: list[str], ttl: float) -> None:
     emit("done", tokens=tokens)
 
 
+def cycle_names(names: list[str], grants: int, ttl: float) -> None:
+    """After a "go": acquire and release ``names`` in turn, ``grants`` times in all.
+
+    Reports each grant's (name, token, monotonic time after the grant returned). The
+    leases never expire, so grants of one name never overlap and those times order them.
+    """
+    from distlock import acquire
+
+    emit("ready")
+    command()
+    seen = []
+    for i in range(grants):
+        name = names[i % len(names)]
+        lease = acquire(name, ttl=ttl, timeout=60)
+        assert lease is not None
+        seen.append([name, lease.token, time.monotonic()])
+        assert lease.release()
+    emit("done", grants=seen)
+
+
+def purge_loop(batch: int) -> None:
+    """After a "go": purge_locks(idle=0) in batches of ``batch`` rows, over and over,
+    until the next line on stdin; reports how many rows it deleted."""
+    import select
+
+    import distlock.locks
+    from distlock import purge_locks
+
+    distlock.locks.PURGE_BATCH = batch  # type: ignore[misc]
+    emit("ready")
+    command()
+    purged = rounds = 0
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        purged += purge_locks(idle=0)
+        rounds += 1
+    emit("done", purged=purged, rounds=rounds)
+
+
 ROLES: dict[str, Callable[..., None]] = {
+    "cycle_names": cycle_names, "purge_loop": purge_loop,
     "first_use": first_use,
     "hammer": hammer, "hold": hold, "try_once": try_once, "wait_for": wait_for,
 }

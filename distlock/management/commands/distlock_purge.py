@@ -2,9 +2,9 @@
 than --events-older-than (default DISTLOCK_AUDIT_RETENTION). Durations: seconds or 90s,
 15m, 12h, 7d, 2w.
 
-Thin over :func:`distlock.purge_locks` (which keeps the row with the largest token, so a
-purged name that comes back still gets a higher token) and
-:func:`distlock.audit.purge_events`.
+Thin over :func:`distlock.purge_locks` (which raises the token floor to every token it
+deletes, so a purged name that comes back still gets a higher token) and
+:func:`distlock.audit.purge_events`; both delete in short batches.
 """
 
 from __future__ import annotations

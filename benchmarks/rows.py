@@ -1,0 +1,383 @@
+#!/usr/bin/env python
+"""Lock operations on a small against a large lock table: no operation may cost more as
+the table grows (issue 17).
+
+    python benchmarks/rows.py                  # 1,000 vs 1,000,000 rows, all backends
+    python benchmarks/rows.py --quick          # 1,000 vs 20,000 rows, short (CI)
+    python benchmarks/rows.py --backends postgresql --rounds 7
+
+Method: one process, one connection per table. Each table is filled once with idle rows
+(free, expired long ago) by one server-side statement and kept between runs. A round
+times, on each table in turn (the order alternates between rounds): the first use of new
+names (``acquire`` of a name with no row), then cycles on 100 existing names — acquire,
+renew, release, each timed on its own. Every figure is the median over rounds of each
+round's p50 (or p99); "big / small" is the median of the per-round ratios of p50s.
+
+On PostgreSQL it also reports the share of the lock table's updates during the run that
+were heap-only (HOT): ``n_tup_hot_upd / n_tup_upd`` of ``pg_stat_user_tables``, counted
+before and after. Last, "purge beside acquire": a child process purges the large table's
+idle rows (``purge_locks``, batch by batch, each batch timed) while this process keeps
+cycling; its acquire p50/p99 are compared with the same cycles just before. That empties
+the large table, which the next run fills again.
+
+Its own databases, never the test ones: PostgreSQL and MariaDB ``distlock_bench_rw_<size>``
+on the servers of DISTLOCK_BENCH_POSTGRES / DISTLOCK_BENCH_MARIADB, SQLite files in a
+temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import databases as dbs  # noqa: E402
+from benchmarks import rows_admin  # noqa: E402
+from benchmarks.harness import percentile  # noqa: E402
+
+BACKENDS = ("postgresql", "mariadb", "sqlite")
+OPERATIONS = ("first use", "re-acquire", "renew", "release")
+HOT_NAMES = 100
+TTL = 30.0
+
+
+def label(size: int) -> str:
+    return f"{size // 1_000_000}M" if size % 1_000_000 == 0 else f"{size // 1000}k"
+
+
+def alias(backend: str, size: int) -> str:
+    return f"{backend}_{label(size)}"
+
+
+def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
+    import django
+    from django.conf import settings
+
+    databases: dict[str, Any] = {}
+    for size in sizes:
+        name = f"distlock_bench_rw_{label(size).lower()}"
+        if "postgresql" in backends:
+            pg = dbs.pg_settings()
+            databases[alias("postgresql", size)] = {**pg, "NAME": name}
+        if "mariadb" in backends:
+            databases[alias("mariadb", size)] = {**dbs.maria_settings(), "NAME": name}
+        if "sqlite" in backends:
+            databases[alias("sqlite", size)] = dbs.sqlite_settings(f"{folder}/{name}.sqlite3")
+    databases["default"] = next(iter(databases.values()))
+    settings.configure(
+        DATABASES=databases,
+        INSTALLED_APPS=["django.contrib.contenttypes", *rows_admin.APPS, "distlock"],
+        USE_TZ=True, SECRET_KEY="bench", DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        DEBUG=False, **rows_admin.SETTINGS,
+    )
+    django.setup()
+
+
+def create_database(db_alias: str) -> None:
+    """Create the server database of ``db_alias`` if it is missing (not SQLite's)."""
+    from django.db import connections
+
+    s = connections[db_alias].settings_dict
+    if s["ENGINE"].endswith("postgresql"):
+        import psycopg
+
+        admin = dbs.pg_conninfo().replace(f"dbname={dbs.pg_settings()['NAME']}",
+                                          "dbname=postgres")
+        with psycopg.connect(admin, autocommit=True) as conn:
+            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                                (s["NAME"],)).fetchone():
+                conn.execute(f'CREATE DATABASE "{s["NAME"]}"')
+    elif s["ENGINE"].endswith("mysql"):
+        import MySQLdb
+
+        params = dbs.maria_params()
+        params.pop("database")
+        conn = MySQLdb.connect(**params, charset="utf8mb4")
+        try:
+            conn.cursor().execute(
+                f"CREATE DATABASE IF NOT EXISTS `{s['NAME']}` CHARACTER SET utf8mb4"
+            )
+        finally:
+            conn.close()
+
+
+FILL = {
+    # One statement each: a million rows in seconds, not a million round trips.
+    "postgresql": "INSERT INTO distlock_lock (name, token, owner, holder, expires_us, "
+                  "renew_count) SELECT 'fill:' || lpad(i::text, 7, '0'), 1, '', '', 0, 0 "
+                  "FROM generate_series(0, {last}) AS i",
+    # MariaDB's Sequence engine (seq_0_to_N tables), present in every MariaDB build.
+    "mysql": "INSERT INTO distlock_lock (name, token, owner, holder, expires_us, renew_count) "
+             "SELECT CONCAT('fill:', LPAD(seq, 7, '0')), 1, '', '', 0, 0 FROM seq_0_to_{last}",
+    "sqlite": "WITH RECURSIVE seq(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM seq "
+              "WHERE i < {last}) INSERT INTO distlock_lock (name, token, owner, holder, "
+              "expires_us, renew_count) SELECT 'fill:' || printf('%07d', i), 1, '', '', 0, 0 "
+              "FROM seq",
+}
+
+
+def fill(db_alias: str, size: int) -> None:
+    """Migrate, and make the table hold ``size`` idle rows plus the HOT_NAMES cycled ones."""
+    from django.core.management import call_command
+    from django.db import connections
+
+    from distlock import acquire
+
+    create_database(db_alias)
+    call_command("migrate", database=db_alias, verbosity=0, interactive=False)
+    connection = connections[db_alias]
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM distlock_lock WHERE name LIKE 'new:%%'")
+        cursor.execute("SELECT COUNT(*) FROM distlock_lock WHERE name LIKE 'fill:%%'")
+        have = cursor.fetchone()[0]
+        if have != size:
+            _progress(f"{db_alias}: filling {size:,} rows")
+            cursor.execute("DELETE FROM distlock_lock WHERE name LIKE 'fill:%%'")
+            cursor.execute(FILL[connection.vendor].format(last=size - 1))
+            if connection.vendor == "mysql":
+                cursor.execute("ANALYZE TABLE distlock_lock")
+                cursor.fetchall()
+            elif connection.vendor == "sqlite":
+                cursor.execute("ANALYZE")
+        # Start each run from written-out tables, not behind a fill's WAL.
+        if connection.vendor == "postgresql":
+            cursor.execute("VACUUM ANALYZE distlock_lock")
+            cursor.execute("CHECKPOINT")
+        elif connection.vendor == "sqlite":
+            cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    for i in range(HOT_NAMES):
+        lease = acquire(f"hot:{i:03d}", ttl=TTL, using=db_alias, blocking=False)
+        if lease is not None:
+            lease.release()
+
+
+def token_index(db_alias: str, wanted: bool) -> None:
+    """--token-index: the road not taken, an index on ``token`` (it would make MAX cheap,
+    and every grant's update of ``token`` a non-HOT one that writes the index too)."""
+    from django.db import connections
+
+    with connections[db_alias].cursor() as cursor:
+        if wanted:
+            cursor.execute("CREATE INDEX IF NOT EXISTS distlock_bench_token "
+                           "ON distlock_lock (token)")
+        elif connections[db_alias].vendor == "mysql":
+            cursor.execute("DROP INDEX IF EXISTS distlock_bench_token ON distlock_lock")
+        else:
+            cursor.execute("DROP INDEX IF EXISTS distlock_bench_token")
+
+
+def timed(call: Any) -> tuple[Any, float]:
+    started = time.perf_counter_ns()
+    result = call()
+    return result, (time.perf_counter_ns() - started) / 1000
+
+
+def measure(db_alias: str, firsts: int, cycles: int) -> dict[str, list[float]]:
+    """Latencies in µs of each operation, ``firsts`` first uses and ``cycles`` cycles."""
+    from distlock import acquire
+
+    got: dict[str, list[float]] = {op: [] for op in OPERATIONS}
+    run = uuid.uuid4().hex[:8]
+    for i in range(firsts):
+        lease, took = timed(lambda i=i: acquire(f"new:{run}:{i:05d}", ttl=TTL,
+                                                using=db_alias, blocking=False))
+        got["first use"].append(took)
+        lease.release()
+    for i in range(cycles):
+        name = f"hot:{i % HOT_NAMES:03d}"
+        lease, took = timed(lambda name=name: acquire(name, ttl=TTL, using=db_alias,
+                                                      blocking=False))
+        got["re-acquire"].append(took)
+        got["renew"].append(timed(lambda lease=lease: lease.renew(ttl=TTL))[1])
+        got["release"].append(timed(lease.release)[1])
+    return got
+
+
+def hot_counts(db_alias: str) -> tuple[int, int] | None:
+    """(n_tup_upd, n_tup_hot_upd) of the lock table on PostgreSQL, as flushed so far."""
+    from django.db import connections
+
+    connection = connections[db_alias]
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        # This session's own counts reach the shared statistics at its next transaction end.
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                       "WHERE relname = 'distlock_lock'")
+        upd, hot = cursor.fetchone()
+    return int(upd), int(hot)
+
+
+def _purge_child(db_alias: str, queue: Any) -> None:
+    """purge_locks, batch by batch as it runs them, timing each batch's transaction."""
+    from distlock import db
+    from distlock.constants import PURGE_BATCH
+
+    batches: list[float] = []
+    deleted = 0
+    after: str | None = ""
+    started = time.perf_counter()
+    while after is not None:
+        (count, after), took = timed(
+            lambda after=after: db.run(db_alias, "purge_batch", 3600 * 10**6, after,
+                                       PURGE_BATCH))
+        deleted += count
+        batches.append(took)
+    queue.put({"deleted": deleted, "seconds": time.perf_counter() - started,
+               "batch_p50_ms": percentile(batches, 0.5) / 1000,
+               "batch_max_ms": max(batches) / 1000, "batches": len(batches)})
+
+
+def purge_beside(db_alias: str, cycles: int) -> dict[str, Any]:
+    """Acquire p50/p99 of cycles on an idle table, then beside a purge of it."""
+    from django.db import connections
+
+    idle = measure(db_alias, 0, cycles)["re-acquire"]
+    connections.close_all()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_purge_child, args=(db_alias, queue))
+    child.start()
+    beside: list[float] = []
+    while child.is_alive() and queue.empty():
+        beside += measure(db_alias, 0, HOT_NAMES)["re-acquire"]
+    report = queue.get(timeout=600)
+    child.join(timeout=60)
+    return {**report, "cycles_beside": len(beside),
+            "idle_p50": percentile(idle, 0.5), "idle_p99": percentile(idle, 0.99),
+            "beside_p50": percentile(beside, 0.5) if beside else None,
+            "beside_p99": percentile(beside, 0.99) if beside else None}
+
+
+def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
+    """The admin pages on both tables, as configured, and on the large one also with
+    Django's defaults (a second count of the whole table under a filter or search, and
+    facet counts on request)."""
+    from django.contrib import admin
+
+    from distlock.models import Lock
+
+    model_admin = admin.site._registry[Lock]
+    small, big = (rows_admin.time_pages(alias(backend, size), args.admin_repeat)
+                  for size in sizes)
+    tuned = (model_admin.show_full_result_count, model_admin.show_facets)
+    model_admin.show_full_result_count, model_admin.show_facets = True, admin.ShowFacets.ALLOW
+    try:
+        defaults = rows_admin.time_pages(alias(backend, sizes[1]), args.admin_repeat)
+    finally:
+        model_admin.show_full_result_count, model_admin.show_facets = tuned
+    s, b = label(sizes[0]), label(sizes[1])
+    print(f"\n| admin ({backend}, median ms) | {s} | {b} | {b}, Django's defaults |\n"
+          "|---|---:|---:|---:|")
+    for page in small:
+        print(f"| {page} | {small[page]:,.1f} | {big[page]:,.1f} | {defaults[page]:,.1f} |")
+
+
+def _progress(text: str) -> None:
+    print(f"  … {text}", file=sys.stderr, flush=True)
+
+
+def _us(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.0f}"
+
+
+def report(backend: str, sizes: tuple[int, int],
+           rounds: list[dict[int, dict[str, list[float]]]]) -> list[str]:
+    small, big = sizes
+    lines = [f"| {backend} | p50 µs {label(small)} | p50 µs {label(big)} | {label(big)} / "
+             f"{label(small)} | p99 µs {label(small)} | p99 µs {label(big)} |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for op in OPERATIONS:
+        p50 = {s: statistics.median(percentile(r[s][op], 0.5) for r in rounds) for s in sizes}
+        p99 = {s: statistics.median(percentile(r[s][op], 0.99) for r in rounds) for s in sizes}
+        ratio = statistics.median(
+            percentile(r[big][op], 0.5) / percentile(r[small][op], 0.5) for r in rounds)
+        lines.append(f"| {op} | {_us(p50[small])} | {_us(p50[big])} | {ratio:.2f} "
+                     f"| {_us(p99[small])} | {_us(p99[big])} |")
+    return lines
+
+
+def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
+    from django.db import connections
+
+    for size in sizes:
+        fill(alias(backend, size), size)
+        token_index(alias(backend, size), args.token_index)
+    before = hot_counts(alias(backend, sizes[1]))
+    rounds: list[dict[int, dict[str, list[float]]]] = []
+    for round_no in range(args.rounds):
+        order = sizes if round_no % 2 == 0 else sizes[::-1]
+        rounds.append({size: measure(alias(backend, size), args.firsts, args.cycles)
+                       for size in order})
+        _progress(f"{backend} round {round_no + 1}/{args.rounds}")
+    connections[alias(backend, sizes[1])].close()  # a session's exit flushes its counts
+    after = hot_counts(alias(backend, sizes[1]))
+    print(f"\n{backend}: {label(sizes[0])} vs {label(sizes[1])} lock rows, {args.rounds} "
+          f"round(s) of {args.firsts} first uses and {args.cycles} cycles\n")
+    print("\n".join(report(backend, sizes, rounds)))
+    if before is not None and after is not None:
+        upd, hot = after[0] - before[0], after[1] - before[1]
+        share = hot / upd if upd else 0.0
+        print(f"\nHOT updates of distlock_lock during the run ({label(sizes[1])} table): "
+              f"{hot:,} of {upd:,} = {share:.1%} (all time: {after[1]:,} of {after[0]:,})")
+    if not args.no_admin:
+        admin_pages(backend, sizes, args)
+    if not args.no_purge:
+        got = purge_beside(alias(backend, sizes[1]), args.cycles)
+        print(f"\npurge beside acquire ({label(sizes[1])} idle rows): deleted "
+              f"{got['deleted']:,} in {got['seconds']:.1f} s, {got['batches']} batches, "
+              f"batch p50 {got['batch_p50_ms']:.1f} ms, max {got['batch_max_ms']:.1f} ms; "
+              f"acquire p50/p99 µs idle {_us(got['idle_p50'])} / {_us(got['idle_p99'])}, "
+              f"beside the purge {_us(got['beside_p50'])} / {_us(got['beside_p99'])} "
+              f"({got['cycles_beside']} acquires)")
+    connections.close_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="1,000 vs 20,000 rows, one short round: proves it runs")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--firsts", type=int, default=300, help="first uses per round")
+    parser.add_argument("--cycles", type=int, default=500, help="cycles per round")
+    parser.add_argument("--big", type=int, default=1_000_000, help="rows of the large table")
+    parser.add_argument("--no-purge", action="store_true", help="skip purge beside acquire")
+    parser.add_argument("--no-admin", action="store_true", help="skip the admin pages")
+    parser.add_argument("--admin-repeat", type=int, default=5, help="timed fetches per page")
+    parser.add_argument("--token-index", action="store_true",
+                        help="measure with an index on token (the alternative to the floor)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.firsts, args.cycles, args.big = 1, 30, 50, 20_000
+        args.admin_repeat = 1
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or set(backends) - set(BACKENDS):
+        parser.error(f"--backends: choose from {', '.join(BACKENDS)}")
+    if args.rounds < 1 or args.firsts < 1 or args.cycles < 1 or args.big < 2000:
+        parser.error("need --rounds, --firsts, --cycles ≥ 1 and --big ≥ 2000")
+    sizes = (1000, args.big)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="distlock-rows-") as folder:
+        configure(backends, sizes, folder)
+        print(f"## distlock rows benchmark\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+              f", load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        for backend in backends:
+            run_backend(backend, sizes, args)
+    print(f"\n({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
