@@ -27,8 +27,9 @@ from django.core.checks import CheckMessage
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.constants import FLOOR_ID, FLOOR_TABLE, MAX_TOKEN
+from distlock.backends.floor import TokenFloorSQL
 from distlock.constants import LOCK_TABLE as TABLE
+from distlock.constants import MAX_TOKEN
 from distlock.exceptions import TokenExhausted
 
 # The levels of distlock_doctor's findings.
@@ -73,7 +74,7 @@ def exhausted(name: str | None = None) -> TokenExhausted:
     return TokenExhausted(f"lock {name!r} has used every fencing token up to {MAX_TOKEN}")
 
 
-class Backend:
+class Backend(TokenFloorSQL):
     """One database vendor's SQL and facts. One instance per vendor, shared by threads:
     it keeps no state of its own (per-connection state lives on the connection)."""
 
@@ -296,28 +297,6 @@ class Backend:
         )
         return Grant(*cursor.fetchone())
 
-    def floor(self, cursor: Any, lock: str) -> int:
-        """The token floor (see :class:`~distlock.models.TokenFloor`), read with ``lock``
-        (``share_lock`` or ``for_update``), which holds until the transaction ends.
-
-        A missing floor row (a ``flush`` empties every table) is put back first, from the
-        largest token in the lock table: what new rows started above before the floor.
-        """
-        sql = f"SELECT token FROM {FLOOR_TABLE} WHERE id = %s{lock}"
-        cursor.execute(sql, [FLOOR_ID])
-        row = cursor.fetchone()
-        if row is None:
-            cursor.execute(
-                self.insert_if_absent(
-                    FLOOR_TABLE, "(id, token)",
-                    f"VALUES (%s, (SELECT COALESCE(MAX(token), 0) FROM {TABLE}))", key="id",
-                ),
-                [FLOOR_ID],
-            )
-            cursor.execute(sql, [FLOOR_ID])
-            row = cursor.fetchone()
-        return int(row[0])
-
     def renew(
         self, cursor: Any, name: str, owner: str, token: int, ttl_us: int
     ) -> Grant | str:
@@ -393,53 +372,6 @@ class Backend:
 
     def broken(self, cursor: Any, name: str) -> None:
         """After break_lock freed ``name``, in its transaction: wake whoever waits."""
-
-    def purge_batch(
-        self, cursor: Any, idle_us: int, after: str, size: int
-    ) -> tuple[int, str | None]:
-        """Delete the rows free or expired for at least ``idle_us`` among the ``size``
-        names that follow ``after`` in name order.
-
-        Returns (rows deleted, the last name looked at — None once the table's end is
-        reached). One batch is one short transaction: a look at ``size`` rows through the
-        primary key without locking them, then the floor locked for writing, the idle
-        rows among them locked, deleted, and the floor raised to the largest token
-        deleted. The floor is locked before any lock row, in every transaction that takes
-        both, so purges and first uses wait for each other instead of deadlocking.
-        """
-        now = self.now_sql()
-        cursor.execute(
-            f"SELECT name, CASE WHEN expires_us <= {now} - %s THEN 1 ELSE 0 END "
-            f"FROM {TABLE} WHERE name > %s ORDER BY name LIMIT %s",
-            [idle_us, after, size],
-        )
-        rows = cursor.fetchall()
-        last = str(rows[-1][0]) if len(rows) == size else None
-        idle = [name for name, is_idle in rows if is_idle]
-        if not idle:
-            return 0, last
-        floor = self.floor(cursor, self.for_update)
-        marks = ", ".join(["%s"] * len(idle))
-        # Locked before deciding: the token read is the one deleted, whatever a
-        # concurrent grant did to the row since the look above.
-        cursor.execute(
-            f"SELECT name, token FROM {TABLE} WHERE name IN ({marks}) "
-            f"AND expires_us <= {now} - %s{self.for_update}",
-            [*idle, idle_us],
-        )
-        doomed = cursor.fetchall()
-        if not doomed:
-            return 0, last
-        marks = ", ".join(["%s"] * len(doomed))
-        cursor.execute(
-            f"DELETE FROM {TABLE} WHERE name IN ({marks})", [name for name, _ in doomed]
-        )
-        top = max(int(token) for _, token in doomed)
-        if top > floor:
-            cursor.execute(
-                f"UPDATE {FLOOR_TABLE} SET token = %s WHERE id = %s", [top, FLOOR_ID]
-            )
-        return len(doomed), last
 
     def expire(self, cursor: Any, name: str, owner: str, token: int) -> int:
         """End the grant (owner, token) now, as if its ttl had run out (distlock.testing).

@@ -51,7 +51,8 @@ from django.db import migrations
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
 
-NOW_US = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
+from distlock.migrations._postgresql import ACQUIRE_0002, NOW_US
+
 KEY = "1684825963, hashtext(p_name)"
 
 FUNCTIONS = f"""
@@ -83,76 +84,7 @@ BEGIN
     END IF;
 END
 $$;
-
-CREATE OR REPLACE FUNCTION distlock_acquire(
-    p_name text, p_owner text, p_holder text, p_ttl_us bigint, p_max_token bigint,
-    OUT status text, OUT token bigint, OUT acquired_us bigint, OUT expires_us bigint,
-    OUT other text, OUT remaining_us bigint
-) LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    r distlock_lock%ROWTYPE;
-    now_us bigint;
-    top bigint;
-BEGIN
-    LOOP
-        -- A look without the row lock: a held lock is refused without writing anything.
-        SELECT * INTO r FROM distlock_lock l WHERE l.name = p_name;
-        IF FOUND THEN
-            now_us := {NOW_US};
-            IF r.owner <> '' AND r.expires_us > now_us THEN
-                status := 'busy'; token := r.token; other := r.holder;
-                remaining_us := r.expires_us - now_us;
-                RETURN;
-            END IF;
-            SELECT * INTO r FROM distlock_lock l WHERE l.name = p_name FOR UPDATE;
-            IF FOUND THEN
-                -- Read the clock only now that the row lock is held.
-                now_us := {NOW_US};
-                IF r.token >= p_max_token THEN
-                    status := 'exhausted'; token := r.token;
-                    RETURN;
-                END IF;
-                IF r.owner <> '' AND r.expires_us > now_us THEN
-                    status := 'busy'; token := r.token; other := r.holder;
-                    remaining_us := r.expires_us - now_us;
-                    RETURN;
-                END IF;
-                UPDATE distlock_lock l
-                   SET token = r.token + 1, owner = p_owner, holder = p_holder,
-                       acquired_us = now_us, renewed_us = NULL,
-                       expires_us = now_us + p_ttl_us, renew_count = 0
-                 WHERE l.name = p_name;
-                status := 'granted'; token := r.token + 1;
-                acquired_us := now_us; expires_us := now_us + p_ttl_us;
-                other := CASE WHEN r.owner <> '' THEN r.holder ELSE '' END;
-                RETURN;
-            END IF;
-            -- Purged between the two reads: start again.
-        ELSE
-            -- First use of the name: start above every token in the table (purge keeps
-            -- the row that holds the largest one).
-            SELECT COALESCE(MAX(l.token), 0) INTO top FROM distlock_lock l;
-            IF top >= p_max_token THEN
-                status := 'exhausted_table'; token := top;
-                RETURN;
-            END IF;
-            now_us := {NOW_US};
-            INSERT INTO distlock_lock AS l
-                   (name, token, owner, holder, acquired_us, renewed_us, expires_us,
-                    renew_count)
-            VALUES (p_name, top + 1, p_owner, p_holder, now_us, NULL, now_us + p_ttl_us, 0)
-            ON CONFLICT (name) DO NOTHING;
-            IF FOUND THEN
-                status := 'granted'; token := top + 1;
-                acquired_us := now_us; expires_us := now_us + p_ttl_us; other := '';
-                RETURN;
-            END IF;
-            -- Another session created the row first: go round, it exists now.
-        END IF;
-    END LOOP;
-END
-$$;
-
+{ACQUIRE_0002}
 CREATE OR REPLACE FUNCTION distlock_renew(
     p_name text, p_owner text, p_token bigint, p_ttl_us bigint,
     OUT status text, OUT renewed_us bigint, OUT expires_us bigint

@@ -13,16 +13,14 @@ here at the table's largest token, which is at least every token purge ever dele
 purged name that comes back starts above every token it ever had.
 
 On PostgreSQL ``distlock_acquire`` is redefined with that first-use step; the reverse
-puts back 0002's definitions.
+puts back 0002's (distlock/migrations/_postgresql.py).
 """
-
-import importlib
 
 from django.db import migrations, models
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
 
-NOW_US = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
+from distlock.migrations._postgresql import ACQUIRE_0002, NOW_US
 
 # 0002's distlock_acquire, but for the first-use branch (marked below).
 ACQUIRE = f"""
@@ -119,9 +117,8 @@ def forwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
 
 def backwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     if schema_editor.connection.vendor == "postgresql":
-        # 0002's definitions, exactly (its other functions are unchanged by 0003).
-        functions = importlib.import_module("distlock.migrations.0002_postgresql_functions")
-        schema_editor.execute(functions.FUNCTIONS, params=None)
+        # 0002's distlock_acquire, exactly (0003 changes no other function).
+        schema_editor.execute(ACQUIRE_0002, params=None)
 
 
 class Migration(migrations.Migration):

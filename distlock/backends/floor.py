@@ -1,0 +1,99 @@
+"""The token floor's SQL: what keeps a purged name that comes back above its old tokens.
+
+New lock rows start one above the floor (``distlock_floor``, one row), which purge raises
+to the largest token it deletes, in the deleting transaction — O(1) per first use, where
+reading the lock table's largest token scanned it. Portable SQL, a base of
+:class:`~distlock.backends.base.Backend`; kept apart because it is one concern of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from distlock.constants import FLOOR_ID, FLOOR_TABLE
+from distlock.constants import LOCK_TABLE as TABLE
+
+
+class TokenFloorSQL:
+    """Reading and raising the token floor; batched purge (see the module docstring)."""
+
+    #: Declared by :class:`~distlock.backends.base.Backend` (the locking clauses).
+    for_update: ClassVar[str]
+    share_lock: ClassVar[str]
+
+    def now_sql(self) -> str:
+        raise NotImplementedError
+
+    def insert_if_absent(
+        self, table: str, columns: str, values: str, *, key: str = "name"
+    ) -> str:
+        raise NotImplementedError
+
+    def floor(self, cursor: Any, lock: str) -> int:
+        """The token floor (see :class:`~distlock.models.TokenFloor`), read with ``lock``
+        (``share_lock`` or ``for_update``), which holds until the transaction ends.
+
+        A missing floor row (a ``flush`` empties every table) is put back first, from the
+        largest token in the lock table: what new rows started above before the floor.
+        """
+        sql = f"SELECT token FROM {FLOOR_TABLE} WHERE id = %s{lock}"
+        cursor.execute(sql, [FLOOR_ID])
+        row = cursor.fetchone()
+        if row is None:
+            cursor.execute(
+                self.insert_if_absent(
+                    FLOOR_TABLE, "(id, token)",
+                    f"VALUES (%s, (SELECT COALESCE(MAX(token), 0) FROM {TABLE}))", key="id",
+                ),
+                [FLOOR_ID],
+            )
+            cursor.execute(sql, [FLOOR_ID])
+            row = cursor.fetchone()
+        return int(row[0])
+
+    def purge_batch(
+        self, cursor: Any, idle_us: int, after: str, size: int
+    ) -> tuple[int, str | None]:
+        """Delete the rows free or expired for at least ``idle_us`` among the ``size``
+        names that follow ``after`` in name order.
+
+        Returns (rows deleted, the last name looked at — None once the table's end is
+        reached). One batch is one short transaction: a look at ``size`` rows through the
+        primary key without locking them, then the floor locked for writing, the idle
+        rows among them locked, deleted, and the floor raised to the largest token
+        deleted. The floor is locked before any lock row, in every transaction that takes
+        both, so purges and first uses wait for each other instead of deadlocking.
+        """
+        now = self.now_sql()
+        cursor.execute(
+            f"SELECT name, CASE WHEN expires_us <= {now} - %s THEN 1 ELSE 0 END "
+            f"FROM {TABLE} WHERE name > %s ORDER BY name LIMIT %s",
+            [idle_us, after, size],
+        )
+        rows = cursor.fetchall()
+        last = str(rows[-1][0]) if len(rows) == size else None
+        idle = [name for name, is_idle in rows if is_idle]
+        if not idle:
+            return 0, last
+        floor = self.floor(cursor, self.for_update)
+        marks = ", ".join(["%s"] * len(idle))
+        # Locked before deciding: the token read is the one deleted, whatever a
+        # concurrent grant did to the row since the look above.
+        cursor.execute(
+            f"SELECT name, token FROM {TABLE} WHERE name IN ({marks}) "
+            f"AND expires_us <= {now} - %s{self.for_update}",
+            [*idle, idle_us],
+        )
+        doomed = cursor.fetchall()
+        if not doomed:
+            return 0, last
+        marks = ", ".join(["%s"] * len(doomed))
+        cursor.execute(
+            f"DELETE FROM {TABLE} WHERE name IN ({marks})", [name for name, _ in doomed]
+        )
+        top = max(int(token) for _, token in doomed)
+        if top > floor:
+            cursor.execute(
+                f"UPDATE {FLOOR_TABLE} SET token = %s WHERE id = %s", [top, FLOOR_ID]
+            )
+        return len(doomed), last
