@@ -48,10 +48,8 @@ step by step: a database that applied all of those counts it as applied.
 """
 
 from django.db import migrations
-from django.db.backends.base.schema import BaseDatabaseSchemaEditor
-from django.db.migrations.state import StateApps
 
-from distlock.migrations._postgresql import ACQUIRE_0002, NOW_US
+from distlock.migrations._postgresql import ACQUIRE_0002, NOW_US, run_on_postgresql
 
 KEY = "1684825963, hashtext(p_name)"
 
@@ -168,16 +166,6 @@ DROP FUNCTION IF EXISTS distlock_channel(text);
 """
 
 
-def create(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    if schema_editor.connection.vendor == "postgresql":
-        schema_editor.execute(FUNCTIONS, params=None)
-
-
-def drop(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    if schema_editor.connection.vendor == "postgresql":
-        schema_editor.execute(DROP, params=None)
-
-
 class Migration(migrations.Migration):
 
     # The pre-release steps this migration squashes (0004 made the LockEvent table,
@@ -195,5 +183,5 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.RunPython(create, drop, elidable=False),
+        run_on_postgresql(FUNCTIONS, DROP),
     ]

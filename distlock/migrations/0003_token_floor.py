@@ -20,55 +20,16 @@ from django.db import migrations, models
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
 
-from distlock.migrations._postgresql import ACQUIRE_0002, NOW_US
+from distlock.migrations._postgresql import ACQUIRE_0002, execute_on_postgresql
 
-# 0002's distlock_acquire, but for the first-use branch (marked below).
-ACQUIRE = f"""
-CREATE OR REPLACE FUNCTION distlock_acquire(
-    p_name text, p_owner text, p_holder text, p_ttl_us bigint, p_max_token bigint,
-    OUT status text, OUT token bigint, OUT acquired_us bigint, OUT expires_us bigint,
-    OUT other text, OUT remaining_us bigint
-) LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    r distlock_lock%ROWTYPE;
-    now_us bigint;
-    top bigint;
-BEGIN
-    LOOP
-        -- A look without the row lock: a held lock is refused without writing anything.
-        SELECT * INTO r FROM distlock_lock l WHERE l.name = p_name;
-        IF FOUND THEN
-            now_us := {NOW_US};
-            IF r.owner <> '' AND r.expires_us > now_us THEN
-                status := 'busy'; token := r.token; other := r.holder;
-                remaining_us := r.expires_us - now_us;
-                RETURN;
-            END IF;
-            SELECT * INTO r FROM distlock_lock l WHERE l.name = p_name FOR UPDATE;
-            IF FOUND THEN
-                -- Read the clock only now that the row lock is held.
-                now_us := {NOW_US};
-                IF r.token >= p_max_token THEN
-                    status := 'exhausted'; token := r.token;
-                    RETURN;
-                END IF;
-                IF r.owner <> '' AND r.expires_us > now_us THEN
-                    status := 'busy'; token := r.token; other := r.holder;
-                    remaining_us := r.expires_us - now_us;
-                    RETURN;
-                END IF;
-                UPDATE distlock_lock l
-                   SET token = r.token + 1, owner = p_owner, holder = p_holder,
-                       acquired_us = now_us, renewed_us = NULL,
-                       expires_us = now_us + p_ttl_us, renew_count = 0
-                 WHERE l.name = p_name;
-                status := 'granted'; token := r.token + 1;
-                acquired_us := now_us; expires_us := now_us + p_ttl_us;
-                other := CASE WHEN r.owner <> '' THEN r.holder ELSE '' END;
-                RETURN;
-            END IF;
-            -- Purged between the two reads: start again.
-        ELSE
+# 0002's first-use step of distlock_acquire, and 0003's. The rest of the function is
+# 0002's unchanged, so 0003's version is written as this one change to it.
+FIRST_USE_0002 = """
+            -- First use of the name: start above every token in the table (purge keeps
+            -- the row that holds the largest one).
+            SELECT COALESCE(MAX(l.token), 0) INTO top FROM distlock_lock l;
+"""
+FIRST_USE = """
             -- (0003) First use of the name: start above the token floor, which purge
             -- raises to every token it deletes. The share lock holds to the end of the
             -- statement's transaction, and purge raises the floor under FOR UPDATE: no
@@ -82,27 +43,9 @@ BEGIN
                 ON CONFLICT (id) DO NOTHING;
                 SELECT f.token INTO top FROM distlock_floor f WHERE f.id = 1 FOR SHARE;
             END IF;
-            IF top >= p_max_token THEN
-                status := 'exhausted_table'; token := top;
-                RETURN;
-            END IF;
-            now_us := {NOW_US};
-            INSERT INTO distlock_lock AS l
-                   (name, token, owner, holder, acquired_us, renewed_us, expires_us,
-                    renew_count)
-            VALUES (p_name, top + 1, p_owner, p_holder, now_us, NULL, now_us + p_ttl_us, 0)
-            ON CONFLICT (name) DO NOTHING;
-            IF FOUND THEN
-                status := 'granted'; token := top + 1;
-                acquired_us := now_us; expires_us := now_us + p_ttl_us; other := '';
-                RETURN;
-            END IF;
-            -- Another session created the row first: go round, it exists now.
-        END IF;
-    END LOOP;
-END
-$$;
 """
+assert ACQUIRE_0002.count(FIRST_USE_0002) == 1, "0002's first-use step moved"
+ACQUIRE = ACQUIRE_0002.replace(FIRST_USE_0002, FIRST_USE)
 
 
 def forwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
@@ -111,14 +54,12 @@ def forwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
     TokenFloor = apps.get_model("distlock", "TokenFloor")
     top = Lock.objects.using(alias).aggregate(top=models.Max("token"))["top"] or 0
     TokenFloor.objects.using(alias).update_or_create(id=1, defaults={"token": top})
-    if schema_editor.connection.vendor == "postgresql":
-        schema_editor.execute(ACQUIRE, params=None)
+    execute_on_postgresql(schema_editor, ACQUIRE)
 
 
 def backwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
-    if schema_editor.connection.vendor == "postgresql":
-        # 0002's distlock_acquire, exactly (0003 changes no other function).
-        schema_editor.execute(ACQUIRE_0002, params=None)
+    # 0002's distlock_acquire, exactly (0003 changes no other function).
+    execute_on_postgresql(schema_editor, ACQUIRE_0002)
 
 
 class Migration(migrations.Migration):

@@ -6,6 +6,31 @@ reversed. So each version is written once, and no migration loads another throug
 importlib. A released version is never edited: a change is a new migration.
 """
 
+from django.db import migrations
+from django.db.backends.base.schema import BaseDatabaseSchemaEditor
+from django.db.migrations.state import StateApps
+
+
+def execute_on_postgresql(schema_editor: BaseDatabaseSchemaEditor, sql: str) -> None:
+    """Run ``sql`` (function DDL, its ``%`` not placeholders) if the database is
+    PostgreSQL: the server-side functions exist only there; elsewhere nothing happens."""
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(sql, params=None)
+
+
+def run_on_postgresql(forwards_sql: str, backwards_sql: str) -> migrations.RunPython:
+    """A migration operation running ``forwards_sql`` (reversed: ``backwards_sql``) on
+    PostgreSQL only."""
+
+    def forwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
+        execute_on_postgresql(schema_editor, forwards_sql)
+
+    def backwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:
+        execute_on_postgresql(schema_editor, backwards_sql)
+
+    return migrations.RunPython(forwards, backwards, elidable=False)
+
+
 # The database's real-time clock in epoch microseconds (clock_timestamp() moves during a
 # transaction; now() is frozen at its start).
 NOW_US = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
