@@ -76,21 +76,24 @@ def sqlite_settings(path: str) -> dict[str, Any]:
     }
 
 
-def create_pg(suffix: str = "") -> None:
+def create_pg(suffix: str = "", *, name: str | None = None) -> None:
+    """Create the PostgreSQL database (``name``, else the benchmark's with ``suffix``)."""
     import psycopg
 
-    name = pg_settings(suffix)["NAME"]
+    name = name or pg_settings(suffix)["NAME"]
     admin = pg_conninfo().replace(f"dbname={pg_settings()['NAME']}", "dbname=postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
             conn.execute(f'CREATE DATABASE "{name}"')
 
 
-def create_maria() -> None:
+def create_maria(*, name: str | None = None) -> None:
+    """Create the MariaDB database (``name``, else the benchmark's)."""
     import MySQLdb
 
     params = maria_params()
-    name = params.pop("database")
+    name = name or params["database"]
+    params.pop("database")
     conn = MySQLdb.connect(**params, charset="utf8mb4")
     try:
         conn.cursor().execute(

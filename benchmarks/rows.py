@@ -88,26 +88,9 @@ def create_database(db_alias: str) -> None:
 
     s = connections[db_alias].settings_dict
     if s["ENGINE"].endswith("postgresql"):
-        import psycopg
-
-        admin = dbs.pg_conninfo().replace(f"dbname={dbs.pg_settings()['NAME']}",
-                                          "dbname=postgres")
-        with psycopg.connect(admin, autocommit=True) as conn:
-            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                                (s["NAME"],)).fetchone():
-                conn.execute(f'CREATE DATABASE "{s["NAME"]}"')
+        dbs.create_pg(name=s["NAME"])
     elif s["ENGINE"].endswith("mysql"):
-        import MySQLdb
-
-        params = dbs.maria_params()
-        params.pop("database")
-        conn = MySQLdb.connect(**params, charset="utf8mb4")
-        try:
-            conn.cursor().execute(
-                f"CREATE DATABASE IF NOT EXISTS `{s['NAME']}` CHARACTER SET utf8mb4"
-            )
-        finally:
-            conn.close()
+        dbs.create_maria(name=s["NAME"])
 
 
 FILL = {
