@@ -19,6 +19,13 @@ from distlock.exceptions import (
 )
 
 if TYPE_CHECKING:
+    from distlock.async_locks import (
+        aacquire,
+        abreak_lock,
+        alock,
+        alocked,
+        apurge_locks,
+    )
     from distlock.leases import Lease
     from distlock.locks import (
         acquire,
@@ -37,7 +44,12 @@ __all__ = [
     "StaleToken",
     "TokenExhausted",
     "TransactionNotAllowed",
+    "aacquire",
+    "abreak_lock",
     "acquire",
+    "alock",
+    "alocked",
+    "apurge_locks",
     "break_lock",
     "current_lease",
     "lock",
@@ -47,6 +59,11 @@ __all__ = [
 
 _LAZY = {
     "Lease": "distlock.leases",
+    "aacquire": "distlock.async_locks",
+    "abreak_lock": "distlock.async_locks",
+    "alock": "distlock.async_locks",
+    "alocked": "distlock.async_locks",
+    "apurge_locks": "distlock.async_locks",
     "acquire": "distlock.locks",
     "break_lock": "distlock.locks",
     "current_lease": "distlock.locks",

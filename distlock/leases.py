@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
+from typing import Protocol
 
+from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 
 from distlock import db, signals, uncommitted
@@ -21,8 +25,17 @@ from distlock.validation import check_name, check_owner, check_token, check_ttl,
 
 logger = logging.getLogger("distlock")
 
-# Its return value is ignored, so any callable of (lease, exc) fits.
+# Its return value is ignored (an awaitable one is awaited by the async renewer), so any
+# callable of (lease, exc) fits.
 LostCallback = Callable[["Lease", BaseException | str], object]
+
+
+class Renewer(Protocol):
+    """A lease's auto-renewal: a helper thread (sync API) or an asyncio task (async API)."""
+
+    stopped: threading.Event
+
+    def stop(self) -> None: ...
 
 
 class Lease:
@@ -75,7 +88,7 @@ class Lease:
         self._mutex = threading.Lock()
         self._lost_reason: str | None = None
         self._released = False
-        self._renewer: _Renewer | None = None
+        self._renewer: Renewer | None = None
 
     def __repr__(self) -> str:
         return f"<Lease {self.name!r} token={self.token} owner={self.owner[:8]}…>"
@@ -165,6 +178,16 @@ class Lease:
         self._released_by_database(held, released_us)
         return held
 
+    async def arenew(self, ttl: float | None = None) -> None:
+        """renew() for async code, run as Django runs its async ORM calls (sync_to_async,
+        thread-sensitive): on the same connection, with the same checks, as in sync code."""
+        await sync_to_async(self.renew)(ttl)
+
+    async def arelease(self) -> bool:
+        """release() for async code (see :meth:`arenew`). Cancelling the awaiting task does
+        not stop a release that has started: it goes on in its thread."""
+        return await sync_to_async(self.release)()
+
     def _released_by_database(self, held: bool, released_us: int | None) -> None:
         self.released_at = from_us(released_us)
         signals.lock_released.send(sender=Lease, lease=self, held=held)
@@ -209,6 +232,15 @@ class Lease:
         self._renewer = _Renewer(self, on_lost)
         self._renewer.start()
 
+    def start_auto_arenew(self, on_lost: LostCallback | None = None) -> None:
+        """Renew in an asyncio task of the running loop (no thread), as start_auto_renew.
+
+        ``on_lost(lease, exc)`` may be a plain function or a coroutine function.
+        """
+        if self._renewer is not None:
+            raise RuntimeError("auto-renew is already running for this lease")
+        self._renewer = _AsyncRenewer(self, on_lost)
+
     def _stop_renewer(self) -> None:
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
@@ -224,7 +256,7 @@ class Lease:
 class _DeferredRelease(threading.Thread):
     """Releases ``lease`` on its own connection once the caller's transaction ends."""
 
-    def __init__(self, lease: Lease, renewer: _Renewer | None) -> None:
+    def __init__(self, lease: Lease, renewer: Renewer | None) -> None:
         super().__init__(name=f"distlock-release-{lease.name[:40]}", daemon=True)
         self.lease = lease
         self.renewer = renewer
@@ -274,3 +306,37 @@ class _Renewer(threading.Thread):
                     return
         finally:
             connections.close_all()
+
+
+class _AsyncRenewer:
+    """The async API's auto-renewal: a task on the loop that acquired the lease."""
+
+    def __init__(self, lease: Lease, on_lost: LostCallback | None) -> None:
+        self.lease = lease
+        self.on_lost = on_lost
+        self.stopped = threading.Event()
+        self.loop = asyncio.get_running_loop()
+        self.task = self.loop.create_task(self.run(), name=f"distlock-renew-{lease.name[:40]}")
+
+    def stop(self) -> None:
+        # release() runs in Django's sync layer, often another thread than the loop's.
+        self.stopped.set()
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.task.cancel)
+
+    async def run(self) -> None:
+        lease = self.lease
+        while not self.stopped.is_set():
+            await asyncio.sleep(lease.ttl * float(conf.RENEW_FRACTION))
+            try:
+                await lease.arenew()
+            except Exception as exc:  # noqa: BLE001 - any failure means lost
+                if self.stopped.is_set():
+                    return
+                # lock_lost's receivers may use the database: not on the loop's thread.
+                await sync_to_async(lease._lose)(str(exc))
+                if self.on_lost is not None:
+                    outcome = self.on_lost(lease, exc)
+                    if inspect.isawaitable(outcome):
+                        await outcome
+                return

@@ -5,10 +5,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import os
-import random
-import socket
-import threading
 import time
 from collections.abc import Callable
 from contextlib import ContextDecorator
@@ -17,24 +13,20 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import iscoroutinefunction
-from django.db import DatabaseError, connections
 
-from distlock import db, signals, uncommitted
-from distlock.backends import backend_for
-from distlock.backends.base import Busy, Grant
-from distlock.conf import conf
-from distlock.constants import HOLDER_LENGTH, PURGE_BATCH
+from distlock import db, grants, signals, uncommitted
+from distlock.backends.base import Grant
+from distlock.constants import PURGE_BATCH
 from distlock.exceptions import LockTimeout
-from distlock.leases import Lease, LostCallback, logger
+from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
+from distlock.leases import Lease, LostCallback
 from distlock.names import NameTemplate
-from distlock.times import from_us
 from distlock.validation import (
     Seconds,
     check_name,
     check_owner,
     check_seconds,
     check_text,
-    check_timeout,
     check_token,
     check_ttl,
     check_using,
@@ -48,28 +40,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 _current: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
     "distlock_leases", default=()
 )
-_DEFAULT = object()
 
 
 def current_lease() -> Lease | None:
     """The lease of the innermost ``lock()`` block (or locked task) running here, if any."""
     leases = _current.get()
     return leases[-1] if leases else None
-
-
-@functools.cache
-def _hostname() -> str:
-    # A system call per acquire otherwise; a host is not renamed under a running process.
-    return socket.gethostname()
-
-
-def describe_holder(extra: str = "") -> str:
-    """Who is asking, for people reading the lock table: host, pid, thread (and ``extra``)."""
-    thread = threading.current_thread().name
-    parts = [_hostname(), f"pid={os.getpid()}", f"thread={thread}"]
-    if extra:
-        parts.append(extra)
-    return " ".join(parts)[:HOLDER_LENGTH]
 
 
 def refuse_async(func: object, decorator: str) -> None:
@@ -89,45 +65,9 @@ def refuse_async(func: object, decorator: str) -> None:
     what = getattr(func, "__qualname__", repr(func))
     raise TypeError(
         f"{decorator} cannot guard {what}(), {kind}: distlock's sync lock would be taken "
-        "and released around creating it, not around running it. An async API "
-        "(alock/alocked) is planned; until then call the sync lock inside "
-        "sync_to_async, or hold it around the awaited work in a thread."
+        "and released around creating it, not around running it. Use the async API "
+        "(alock/alocked) in async code, or call the sync lock inside sync_to_async."
     )
-
-
-def _try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> Grant | Busy:
-    try:
-        while True:
-            result: Grant | Busy | None = db.run(
-                alias, "acquire_existing", name, owner, holder, ttl_us
-            )
-            if result is not None:
-                return result
-            created: Grant | None = db.run(alias, "acquire_new", name, owner, holder, ttl_us)
-            if created is not None:
-                return created
-            # Another process created the row between our two transactions: go round
-            # again, this time the row exists.
-    except DatabaseError as exc:
-        # The caller's connection has a lock_timeout/statement_timeout (or MariaDB's
-        # innodb_lock_wait_timeout) shorter than another transaction's hold on the lock
-        # row: that is contention, so busy (retried within acquire's own timeout), not
-        # an error. The aborted try wrote nothing.
-        if not backend_for(connections[alias]).lock_wait_cut_short(exc):
-            raise
-        return Busy(token=0, holder="", remaining_us=None)
-
-
-def _pause(attempt: int, busy: Busy, left: float | None) -> float:
-    """Jittered exponential back-off, never past the deadline or the holder's expiry."""
-    base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
-    pause: float = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
-    # Wake just after the holder's lease ends: it is free then even if never released.
-    if busy.remaining_us is not None:
-        pause = min(pause, busy.remaining_us / 1e6 + 0.001)
-    if left is not None:
-        pause = min(pause, left)
-    return max(pause, 0.0)
 
 
 def acquire(
@@ -135,7 +75,7 @@ def acquire(
     *,
     ttl: Seconds | None = None,
     blocking: bool = True,
-    timeout: Seconds | None = _DEFAULT,  # type: ignore[assignment]
+    timeout: Seconds | None = DEFAULT,
     using: str | None = None,
     holder: str = "",
     auto_renew: bool = False,
@@ -158,19 +98,9 @@ def acquire(
     a wait for the lock row cut short by the connection's own ``lock_timeout``,
     ``statement_timeout`` or ``innodb_lock_wait_timeout``, which counts as busy.
     """
-    name = check_name(name)
-    seconds = check_ttl(ttl)
-    wait = check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
-    if not isinstance(blocking, bool):
-        raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
-    check_text(holder, "holder")
-    alias = check_using(using)
-    uncommitted.refuse_if_holding(name, alias, f"acquiring lock {name!r}")
-    # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of the cost.
-    owner = os.urandom(16).hex()
-    description = describe_holder(holder)
-    ttl_us = round(seconds * 1e6)
-    give_up = None if wait is None else time.monotonic() + wait
+    request = Request(name, ttl, blocking, timeout, using, holder)
+    uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
+    give_up = None if request.wait is None else time.monotonic() + request.wait
     attempt = 0
     waiter: Waiter | None = None
     try:
@@ -178,53 +108,38 @@ def acquire(
             # The holder's clock starts before the request leaves, so its deadline is
             # never later than the one the database computes.
             started = time.monotonic()
-            result = _try_once(alias, name, owner, description, ttl_us)
+            result = grants.try_once(request)
             if isinstance(result, Grant):
                 break
             left = None if give_up is None else give_up - time.monotonic()
             if not blocking or (left is not None and left <= 0):
                 return None
             if waiter is None:
-                waiter = Waiter(alias, name)
+                waiter = Waiter(request.alias, request.name)
                 if waiter.listening:
                     continue  # freed before the LISTEN took effect? Look again at once.
-            waiter.wait(_pause(attempt, result, left))
+            waiter.wait(pause_before_retry(attempt, result, left))
             attempt += 1
     finally:
         if waiter is not None:
             waiter.stop()
-    lease = Lease._granted(
-        name, owner, result.token, using=alias, ttl=seconds,
-        expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
-        holder=description,
-        deadline=started + seconds - backend_for(connections[alias]).clock_resolution,
-    )
-    signals.lock_acquired.send(sender=Lease, lease=lease, took_over=result.took_over)
+    lease = grant_lease(request, started, result)
     if auto_renew:
         lease.start_auto_renew(on_lost)
     return lease
 
 
-class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextlib's do
-    """Hold lock ``name`` for a ``with`` block (or a decorated function's call).
-
-    ``with lock("invoice:42", ttl=30, timeout=10) as lease:`` waits up to ``timeout``
-    seconds and raises LockTimeout if the lock cannot be had (``timeout=0`` tries once).
-    The lock is released when the block ends, also on an exception. If the lease was
-    lost on the way (expired, broken), leaving the block logs a warning and sends
-    ``lock_lost``; it does not raise, because the block's work is done by then — guard
-    writes with fencing (``save(fence=lease)``) to make a stale holder's writes fail.
-
-    As a decorator it refuses ``async def`` functions with TypeError (see
-    :func:`refuse_async`).
-    """
+class LockBlock:
+    """What ``lock`` and ``alock`` share: options checked at construction, and the stack of
+    leases that :func:`current_lease` reads (a ContextVar, so each thread and each asyncio
+    task sees its own)."""
 
     def __init__(
         self,
         name: str,
         *,
         ttl: Seconds | None = None,
-        timeout: Seconds | None = _DEFAULT,  # type: ignore[assignment]
+        timeout: Seconds | None = DEFAULT,
         using: str | None = None,
         holder: str = "",
         auto_renew: bool = False,
@@ -233,7 +148,7 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
         # Check everything now, so a bad decorator fails at import, not at first call.
         check_name(name)
         check_ttl(ttl)
-        check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+        grants.wait_limit(timeout)
         check_text(holder, "holder")
         if using is not None:
             check_using(using)
@@ -245,48 +160,78 @@ class lock(ContextDecorator):  # noqa: N801 - reads like a function, as contextl
         self.lease: Lease | None = None
         self._token: contextvars.Token[tuple[Lease, ...]] | None = None
 
+    def _recreate_cm(self) -> Any:
+        # A decorated function may run in several threads (or tasks) at once: one lock
+        # object each.
+        return type(self)(self.name, **self._options)
+
+    def _entered(self, lease: Lease | None) -> Lease:
+        if lease is None:
+            raise LockTimeout(self.name, grants.wait_limit(self._options["timeout"]))
+        self.lease = lease
+        self._token = _current.set((*_current.get(), lease))
+        return lease
+
+    def _leaving(self) -> Lease | None:
+        lease, self.lease = self.lease, None
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+        return lease
+
+
+class lock(LockBlock, ContextDecorator):  # noqa: N801 - reads like a function, as contextlib's do
+    """Hold lock ``name`` for a ``with`` block (or a decorated function's call).
+
+    ``with lock("invoice:42", ttl=30, timeout=10) as lease:`` waits up to ``timeout``
+    seconds and raises LockTimeout if the lock cannot be had (``timeout=0`` tries once).
+    The lock is released when the block ends, also on an exception. If the lease was
+    lost on the way (expired, broken), leaving the block logs a warning and sends
+    ``lock_lost``; it does not raise, because the block's work is done by then — guard
+    writes with fencing (``save(fence=lease)``) to make a stale holder's writes fail.
+
+    As a decorator it refuses ``async def`` functions with TypeError (see
+    :func:`refuse_async`; ``alock`` is the async form).
+    """
+
     def __call__(self, func: F) -> F:
         """Decorate ``func``; a coroutine or async generator function is refused."""
         refuse_async(func, "@lock(...)")
         return super().__call__(func)
 
-    def _recreate_cm(self) -> lock:
-        # A decorated function may run in several threads at once: one lock object each.
-        return type(self)(self.name, **self._options)
-
     def __enter__(self) -> Lease:
-        lease = acquire(self.name, **self._options)
-        if lease is None:
-            timeout = self._options["timeout"]
-            wait = check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
-            raise LockTimeout(self.name, wait)
-        self.lease = lease
-        self._token = _current.set((*_current.get(), lease))
-        return lease
+        return self._entered(acquire(self.name, **self._options))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        lease, self.lease = self.lease, None
-        if self._token is not None:
-            _current.reset(self._token)
-            self._token = None
+        lease = self._leaving()
         if lease is None:
             return
-        if not lease.release() and not lease.lost:
-            logger.warning(
-                "lock %r (token %s) was no longer held when its block ended",
-                lease.name, lease.token,
-            )
-            lease._lose("it expired or was taken over before the block ended")
+        block_ended(lease, lease.release())
+
+
+def name_template(name: str, ttl: Seconds | None, timeout: Seconds | None) -> NameTemplate:
+    """The checked template of ``locked``/``alocked`` (checked at decoration, not at call)."""
+    template = NameTemplate(name)
+    check_ttl(ttl)
+    grants.wait_limit(timeout)
+    return template
+
+
+def call_namer(template: NameTemplate, func: Callable[..., Any]) -> Callable[..., str]:
+    """``namer(args, kwargs)``: the lock name of one call of ``func``."""
+    signature = inspect.signature(func)
+    template.check_parameters(signature.parameters, func.__qualname__)
+    return functools.partial(template.format_call, signature)
 
 
 def locked(
     name: str,
     *,
     ttl: Seconds | None = None,
-    timeout: Seconds | None = _DEFAULT,  # type: ignore[assignment]
+    timeout: Seconds | None = DEFAULT,
     using: str | None = None,
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
@@ -297,21 +242,18 @@ def locked(
     ``@locked("report:{customer_id}", ttl=60)``. Inside, ``current_lease()`` returns the
     lease. A template field that is not a parameter raises ValueError at decoration, and
     an ``async def`` function (or async generator function) raises TypeError there: the
-    lock would not be held while its body runs.
+    lock would not be held while its body runs (``alocked`` is the async form).
     """
-    template = NameTemplate(name)
-    check_ttl(ttl)
-    check_timeout(conf.DEFAULT_TIMEOUT if timeout is _DEFAULT else timeout)
+    template = name_template(name, ttl, timeout)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         refuse_async(func, "@locked(...)")
-        signature = inspect.signature(func)
-        template.check_parameters(signature.parameters, func.__qualname__)
+        namer = call_namer(template, func)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             with lock(
-                template.format_call(signature, args, kwargs), ttl=ttl, timeout=timeout,
+                namer(args, kwargs), ttl=ttl, timeout=timeout,
                 using=using, auto_renew=auto_renew, on_lost=on_lost,
             ):
                 return func(*args, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import models, router
 from django.db.models import Q
@@ -181,6 +182,18 @@ class FencedModel(FencedUpdateHook):
             .values_list(FENCE_FIELD, flat=True).first()
         )
         return None if value is None else int(value)
+
+    async def asave(self, *args: Any, fence: Lease | None = None, **kwargs: Any) -> None:
+        """save() for async code, as Django's own asave(): in its sync layer, so the
+        ownership check and the write share one transaction on the caller's connection."""
+        await sync_to_async(self.save)(*args, fence=fence, **kwargs)
+
+    async def adelete(
+        self, using: str | None = None, keep_parents: bool = False, *,
+        fence: Lease | None = None,
+    ) -> tuple[int, dict[str, int]]:
+        """delete() for async code (see :meth:`asave`)."""
+        return await sync_to_async(self.delete)(using, keep_parents, fence=fence)
 
     def delete(
         self, using: str | None = None, keep_parents: bool = False, *,

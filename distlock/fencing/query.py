@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from asgiref.sync import sync_to_async
 from django.db import models
 from django.db.models import Q
 from django.db.models.options import Options
@@ -206,6 +207,22 @@ class FencedQuerySet(models.QuerySet[M]):
         obj = self.model(**fields)
         obj.save(fence=lease, force_insert=True, using=self.db)  # type: ignore[call-arg]
         return obj
+
+    # The async forms, in Django's naming and as its own aupdate()/acreate() are: the sync
+    # write in Django's sync layer, so the ownership check and the write share one
+    # transaction on the connection the caller's other ORM calls use.
+
+    async def afenced_update(self, lease: Lease, **changes: Any) -> int:
+        """fenced_update() for async code."""
+        return await sync_to_async(self.fenced_update)(lease, **changes)
+
+    async def afenced_delete(self, lease: Lease) -> tuple[int, dict[str, int]]:
+        """fenced_delete() for async code."""
+        return await sync_to_async(self.fenced_delete)(lease)
+
+    async def afenced_create(self, lease: Lease, **fields: Any) -> M:
+        """fenced_create() for async code."""
+        return await sync_to_async(self.fenced_create)(lease, **fields)
 
 
 class FencedManager(models.Manager.from_queryset(FencedQuerySet)):  # type: ignore[misc]

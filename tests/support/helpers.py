@@ -7,12 +7,14 @@ what needs the app registry is imported inside the function that uses it.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from asgiref.sync import sync_to_async
 from django.db import connections
 
 from distlock.times import EPOCH
@@ -109,3 +111,21 @@ def run_with_deadline(body: Callable[[], T], seconds: float = 20.0) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def run_async(make: Callable[[], Awaitable[T]], seconds: float = 60.0) -> T:
+    """Run the coroutine ``make()`` in a new event loop, failing it after ``seconds``.
+
+    Django's sync layer runs the coroutine's database work in a thread of its own
+    (asgiref's thread-sensitive executor): its connections are closed before this
+    returns, as a request's are at its end.
+    """
+
+    async def main() -> T:
+        try:
+            async with asyncio.timeout(seconds):
+                return await make()
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    return asyncio.run(main())

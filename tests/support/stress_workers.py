@@ -62,18 +62,18 @@ def weaken_clock(rng: random.Random) -> None:
     """Make this process's acquire use a stale clock (the self-test's weakened build)."""
     from django.db import connections
 
-    from distlock import db, locks
+    from distlock import db, grants
     from distlock.backends import backend_for
     from distlock.backends.base import Backend
 
     frozen = threading.local()
-    real_try_once = locks._try_once
+    real_try_once = grants.try_once
 
-    def try_once(alias: str, name: str, owner: str, holder: str, ttl_us: int) -> Any:
-        frozen.us = db.db_now_us(alias)
+    def try_once(request: Any) -> Any:
+        frozen.us = db.db_now_us(request.alias)
         time.sleep(rng.uniform(0.0, 0.2))
         try:
-            return real_try_once(alias, name, owner, holder, ttl_us)
+            return real_try_once(request)
         finally:
             frozen.us = None
 
@@ -88,7 +88,7 @@ def weaken_clock(rng: random.Random) -> None:
         # distlock's portable path (PostgreSQL's server-side function reads the real
         # clock itself), deciding with whatever now_sql() says.
         backend.acquire_existing = Backend.acquire_existing.__get__(backend)  # type: ignore[method-assign]
-    locks._try_once = try_once
+    grants.try_once = try_once
 
 
 def write(lease: Any, name: str, read_value: int, op_id: str, worker: str,

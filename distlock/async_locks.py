@@ -1,0 +1,225 @@
+"""The async API: aacquire(), alock(), alocked(), abreak_lock() and apurge_locks().
+
+The same guarantees as the sync API, because it is the sync API's steps
+(:mod:`distlock.grants`) with the waiting done by asyncio:
+
+- **Each database operation runs in Django's sync layer** (``sync_to_async``,
+  thread-sensitive), exactly where Django runs the caller's own async ORM calls
+  (``aget``, ``asave``): in an ASGI request, the request's thread and connection. So the
+  transaction checks of the sync API see the same connection state (a lock operation
+  never joins the caller's transaction; a fenced write's open row lock defers a
+  release), and the lock's signals and audit rows are written off the event loop. The
+  alternatives were measured (``benchmarks/async_api.py``; docs/performance.md): a
+  thread-*insensitive* pool and a native psycopg ``AsyncConnection`` buy throughput only
+  for many coroutines on *different* names in one process outside a request, and lose
+  those guarantees or the other databases.
+- **Waiting never blocks the loop**: between tries a coroutine awaits its back-off pause
+  or, on PostgreSQL, a release's notification through the loop's one shared LISTEN
+  connection (:mod:`distlock.async_wakeups`). Waiting costs no thread and no connection.
+- **Cancellation** (``asyncio.timeout``, ``task.cancel()``) while waiting leaves nothing
+  behind: if a try was in flight, it finishes in its thread and a grant it made is
+  released before the CancelledError goes on. Cancellation while holding an ``alock``
+  block releases the lock as the block ends (the release is shielded from the
+  cancellation). Only a process that dies leaves its lease to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AsyncContextDecorator
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+from asgiref.sync import iscoroutinefunction, sync_to_async
+
+from distlock import grants, uncommitted
+from distlock.async_wakeups import AsyncWaiter
+from distlock.backends.base import Busy
+from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
+from distlock.leases import Lease, LostCallback
+from distlock.locks import LockBlock, break_lock, call_namer, name_template, purge_locks
+from distlock.validation import Seconds
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _attempt(request: Request) -> Lease | Busy:
+    """One try, in Django's sync layer: the grant and its lock_acquired signal both."""
+    uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
+    started = time.monotonic()
+    result = grants.try_once(request)
+    if isinstance(result, Busy):
+        return result
+    return grant_lease(request, started, result)
+
+
+def _end_block(lease: Lease) -> None:
+    block_ended(lease, lease.release())
+
+
+async def _finished(task: asyncio.Future[T]) -> T:
+    """``task``'s result, waited for through any number of cancellations."""
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                return task.result()
+
+
+async def _try_or_give_back(request: Request) -> Lease | Busy:
+    """One try; if the caller is cancelled meanwhile, a grant the try made is released."""
+    task = asyncio.ensure_future(sync_to_async(_attempt)(request))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        # The try goes on in its thread; nobody will hold what it may grant.
+        with contextlib.suppress(Exception):
+            outcome = await _finished(task)
+            if isinstance(outcome, Lease):
+                await _finished(asyncio.ensure_future(outcome.arelease()))
+        raise
+
+
+async def aacquire(
+    name: str,
+    *,
+    ttl: Seconds | None = None,
+    blocking: bool = True,
+    timeout: Seconds | None = DEFAULT,
+    using: str | None = None,
+    holder: str = "",
+    auto_renew: bool = False,
+    on_lost: LostCallback | None = None,
+) -> Lease | None:
+    """acquire() for async code: the same arguments, results and exceptions.
+
+    Waiting between tries never blocks the event loop. ``auto_renew`` renews in an
+    asyncio task of the running loop (not a thread); ``on_lost`` may be a coroutine
+    function. Cancelling the caller leaves no grant behind (see the module docstring).
+    """
+    task = asyncio.current_task()
+    request = Request(
+        name, ttl, blocking, timeout, using,
+        f"task={task.get_name()} {holder}".strip() if task is not None else holder,
+    )
+    give_up = None if request.wait is None else time.monotonic() + request.wait
+    attempt = 0
+    waiter: AsyncWaiter | None = None
+    try:
+        while True:
+            result = await _try_or_give_back(request)
+            if isinstance(result, Lease):
+                break
+            left = None if give_up is None else give_up - time.monotonic()
+            if not blocking or (left is not None and left <= 0):
+                return None
+            if waiter is None:
+                waiter = AsyncWaiter(request.alias, request.name)
+                await waiter.start()
+                if waiter.listening:
+                    continue  # freed before the LISTEN took effect? Look again at once.
+            await waiter.wait(pause_before_retry(attempt, result, left))
+            attempt += 1
+    finally:
+        if waiter is not None:
+            waiter.stop()
+    if auto_renew:
+        result.start_auto_arenew(on_lost)
+    return result
+
+
+def refuse_sync(func: object, decorator: str) -> None:
+    """Raise TypeError unless ``func`` is a coroutine function: an async lock cannot be
+    held around a plain call without an event loop to wait in."""
+    if not iscoroutinefunction(func):
+        what = getattr(func, "__qualname__", repr(func))
+        raise TypeError(
+            f"{decorator} guards async def functions, and {what}() is not one: use the "
+            "sync lock (lock/locked) for plain functions."
+        )
+
+
+class alock(LockBlock, AsyncContextDecorator):  # noqa: N801 - reads like a function
+    """Hold lock ``name`` for an ``async with`` block (or a decorated coroutine's run).
+
+    The async form of :class:`~distlock.locks.lock`: ``async with alock("invoice:42",
+    ttl=30, timeout=10) as lease:`` waits up to ``timeout`` seconds (without blocking the
+    event loop) and raises LockTimeout if the lock cannot be had. The lock is released
+    when the block ends, also on an exception or a cancellation; ``current_lease()``
+    returns the lease inside the block, in this task only. As a decorator it takes
+    ``async def`` functions only.
+    """
+
+    def __call__(self, func: F) -> F:
+        """Decorate the coroutine function ``func``; a plain function is refused."""
+        refuse_sync(func, "@alock(...)")
+        return super().__call__(func)
+
+    async def __aenter__(self) -> Lease:
+        return self._entered(await aacquire(self.name, **self._options))
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lease = self._leaving()
+        if lease is not None:
+            await _finished(asyncio.ensure_future(sync_to_async(_end_block)(lease)))
+
+
+def alocked(
+    name: str,
+    *,
+    ttl: Seconds | None = None,
+    timeout: Seconds | None = DEFAULT,
+    using: str | None = None,
+    auto_renew: bool = False,
+    on_lost: LostCallback | None = None,
+) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
+    """locked() for ``async def`` functions: each call runs under ``alock`` named from
+    its arguments. A plain function raises TypeError at decoration."""
+    template = name_template(name, ttl, timeout)
+
+    def decorate(
+        func: Callable[P, Coroutine[Any, Any, R]],
+    ) -> Callable[P, Coroutine[Any, Any, R]]:
+        refuse_sync(func, "@alocked(...)")
+        namer = call_namer(template, func)
+
+        @functools.wraps(func)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with alock(
+                namer(args, kwargs), ttl=ttl, timeout=timeout,
+                using=using, auto_renew=auto_renew, on_lost=on_lost,
+            ):
+                return await func(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+async def abreak_lock(
+    name: str,
+    *,
+    owner: str | None = None,
+    token: int | None = None,
+    using: str | None = None,
+    by: str = "",
+) -> bool:
+    """break_lock() for async code."""
+    return await sync_to_async(break_lock)(name, owner=owner, token=token, using=using, by=by)
+
+
+async def apurge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) -> int:
+    """purge_locks() for async code."""
+    return await sync_to_async(purge_locks)(idle=idle, using=using)

@@ -1,0 +1,156 @@
+"""The steps of getting a lease, shared by the sync API (locks.py) and the async one.
+
+One acquire is: check the arguments once (:class:`Request`), try the lock (:func:`try_once`,
+one short transaction), pause before trying again (:func:`pause_before_retry`), and turn
+the committed grant into a Lease (:func:`grant_lease`). ``acquire()`` runs the steps in the
+caller's thread and waits with ``time.sleep``/LISTEN; ``aacquire()`` runs each try in
+Django's sync layer and waits with ``asyncio``. Keeping the steps here keeps the two
+loops honest copies of one algorithm.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import socket
+import threading
+from typing import Any
+
+from django.db import DatabaseError, connections
+
+from distlock import db, signals
+from distlock.backends import backend_for
+from distlock.backends.base import Busy, Grant
+from distlock.conf import conf
+from distlock.constants import HOLDER_LENGTH
+from distlock.leases import Lease, logger
+from distlock.times import from_us
+from distlock.validation import (
+    Seconds,
+    check_name,
+    check_text,
+    check_timeout,
+    check_ttl,
+    check_using,
+)
+
+# The ``timeout`` default: DISTLOCK_DEFAULT_TIMEOUT, read when the lock is asked for.
+DEFAULT: Any = object()
+
+
+@functools.cache
+def _hostname() -> str:
+    # A system call per acquire otherwise; a host is not renamed under a running process.
+    return socket.gethostname()
+
+
+def describe_holder(extra: str = "") -> str:
+    """Who is asking, for people reading the lock table: host, pid, thread (and ``extra``)."""
+    thread = threading.current_thread().name
+    parts = [_hostname(), f"pid={os.getpid()}", f"thread={thread}"]
+    if extra:
+        parts.append(extra)
+    return " ".join(parts)[:HOLDER_LENGTH]
+
+
+def wait_limit(timeout: Seconds | None) -> float | None:
+    """``timeout`` checked, with DISTLOCK_DEFAULT_TIMEOUT for the default."""
+    return check_timeout(conf.DEFAULT_TIMEOUT if timeout is DEFAULT else timeout)
+
+
+class Request:
+    """One acquire's arguments, checked before any SQL, and the owner id of its grant."""
+
+    __slots__ = ("alias", "description", "name", "owner", "seconds", "ttl_us", "wait")
+
+    def __init__(
+        self, name: str, ttl: Seconds | None, blocking: bool, timeout: Seconds | None,
+        using: str | None, holder: str,
+    ) -> None:
+        self.name = check_name(name)
+        self.seconds = check_ttl(ttl)
+        self.wait = wait_limit(timeout)
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
+        check_text(holder, "holder")
+        self.alias = check_using(using)
+        # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of
+        # the cost.
+        self.owner = os.urandom(16).hex()
+        self.description = describe_holder(holder)
+        self.ttl_us = round(self.seconds * 1e6)
+
+    @property
+    def doing(self) -> str:
+        """What is refused, for TransactionNotAllowed's message."""
+        return f"acquiring lock {self.name!r}"
+
+
+def try_once(request: Request) -> Grant | Busy:
+    """One try for the lock, committed before it returns: a Grant, or Busy with the holder."""
+    alias, name, owner = request.alias, request.name, request.owner
+    holder, ttl_us = request.description, request.ttl_us
+    try:
+        while True:
+            result: Grant | Busy | None = db.run(
+                alias, "acquire_existing", name, owner, holder, ttl_us
+            )
+            if result is not None:
+                return result
+            created: Grant | None = db.run(alias, "acquire_new", name, owner, holder, ttl_us)
+            if created is not None:
+                return created
+            # Another process created the row between our two transactions: go round
+            # again, this time the row exists.
+    except DatabaseError as exc:
+        # The caller's connection has a lock_timeout/statement_timeout (or MariaDB's
+        # innodb_lock_wait_timeout) shorter than another transaction's hold on the lock
+        # row: that is contention, so busy (retried within acquire's own timeout), not
+        # an error. The aborted try wrote nothing.
+        if not backend_for(connections[alias]).lock_wait_cut_short(exc):
+            raise
+        return Busy(token=0, holder="", remaining_us=None)
+
+
+def pause_before_retry(attempt: int, busy: Busy, left: float | None) -> float:
+    """Jittered exponential back-off, never past the deadline or the holder's expiry."""
+    base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
+    pause: float = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
+    # Wake just after the holder's lease ends: it is free then even if never released.
+    if busy.remaining_us is not None:
+        pause = min(pause, busy.remaining_us / 1e6 + 0.001)
+    if left is not None:
+        pause = min(pause, left)
+    return max(pause, 0.0)
+
+
+def grant_lease(request: Request, started: float, result: Grant) -> Lease:
+    """The Lease of a committed grant, announced with ``lock_acquired``.
+
+    ``started`` is the monotonic time before the granting request left: the lease's local
+    deadline counts from it, so it never ends later than the database's expiry.
+    """
+    alias, seconds = request.alias, request.seconds
+    lease = Lease._granted(
+        request.name, request.owner, result.token, using=alias, ttl=seconds,
+        expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
+        holder=request.description,
+        deadline=started + seconds - backend_for(connections[alias]).clock_resolution,
+    )
+    signals.lock_acquired.send(sender=Lease, lease=lease, took_over=result.took_over)
+    return lease
+
+
+def block_ended(lease: Lease, held: bool) -> None:
+    """After a ``lock``/``alock`` block released ``lease``: say so if it was lost on the way.
+
+    Not raised: the block's work is done by then; fenced writes are what refuse a stale
+    holder's writes.
+    """
+    if not held and not lease.lost:
+        logger.warning(
+            "lock %r (token %s) was no longer held when its block ended",
+            lease.name, lease.token,
+        )
+        lease._lose("it expired or was taken over before the block ended")
