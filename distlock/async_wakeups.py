@@ -70,7 +70,7 @@ class _Listener:
         self.raw: Any = None
         self.commands = asyncio.Lock()
         self.watching = False
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks: set[asyncio.Task[Any]] = set()
 
     async def _connect(self) -> Any:
         import psycopg
@@ -155,18 +155,32 @@ class _Listener:
                 return False
 
     async def join(self, name: str) -> _Channel | None:
-        """Count one more waiter of ``name``; None if wake-ups cannot be had."""
+        """Count one more waiter of ``name``; None if wake-ups cannot be had.
+
+        The LISTEN runs as a task of its own: a waiter cancelled while it is in flight
+        leaves, and the others (and the connection) are not disturbed.
+        """
         state = self.channels.get(name)
         if state is None:
             state = self.channels[name] = _Channel(self, name)
-            state.members += 1
-            registered = await self._command("SELECT distlock_listen(%s)", name)
-            if not state.registered.done():
-                state.registered.set_result(registered)
-        else:
-            state.members += 1
-            registered = await asyncio.shield(state.registered)
-        if not registered:
+            registered = state.registered
+
+            def settle(task: asyncio.Task[bool]) -> None:
+                ok = not task.cancelled() and task.exception() is None and task.result()
+                if not registered.done():
+                    registered.set_result(bool(ok))
+
+            task = self.loop.create_task(self._command("SELECT distlock_listen(%s)", name))
+            task.add_done_callback(settle)
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        state.members += 1
+        try:
+            ok = await asyncio.shield(state.registered)
+        except asyncio.CancelledError:
+            self.leave(state)
+            raise
+        if not ok:
             self.leave(state)
             return None
         return state
@@ -177,8 +191,17 @@ class _Listener:
         if state.members > 0 or self.channels.get(state.name) is not state:
             return
         del self.channels[state.name]
-        if state.registered.done() and state.registered.result():
-            self._spawn(self._unregister(state.name))
+
+        def unregister(registered: asyncio.Future[bool]) -> None:
+            if not registered.cancelled() and registered.result():
+                self._spawn(self._unregister(state.name))
+
+        # At once if registered, so the UNLISTEN is queued before a later waiter's LISTEN;
+        # still registering (the last waiter was cancelled meanwhile): once it is done.
+        if state.registered.done():
+            unregister(state.registered)
+        else:
+            state.registered.add_done_callback(unregister)
 
     async def _unregister(self, name: str) -> None:
         try:

@@ -188,6 +188,20 @@ def test_a_lock_operation_never_joins_a_transaction_left_open_by_async_code():
     assert not Lock.objects.filter(name="in-transaction").exists()
 
 
+def test_async_to_sync_inside_atomic_is_refused_as_sync_code_is():
+    """A sync view under ATOMIC_REQUESTS (or any atomic()) calling the async API through
+    async_to_sync: the operation runs back in this thread, inside the transaction, and is
+    refused there exactly as acquire() is."""
+    from asgiref.sync import async_to_sync
+
+    with transaction.atomic():
+        with pytest.raises(TransactionNotAllowed):
+            async_to_sync(aacquire)("atomic-async", ttl=30)
+        with pytest.raises(TransactionNotAllowed):
+            async_to_sync(abreak_lock)("atomic-async")
+    assert not Lock.objects.filter(name="atomic-async").exists()
+
+
 # -- fenced writes ------------------------------------------------------------------------
 
 
@@ -455,9 +469,11 @@ def test_a_release_wakes_async_waiters_through_one_shared_connection(settings):
                 await lease.arelease()
         return during, time.monotonic() - started, tokens
 
-    during, took, tokens = run_async(body)
+    during, took, tokens = run_async(body, seconds=30)
     # This test's connection, the sync layer's and one LISTEN connection for 50 waiters.
     assert during <= before + 2
+    # With no waiter left, the LISTEN connection is closed (and the sync layer's with the loop).
+    wait_until(lambda: sessions() == before, what="the LISTEN connection closed")
     assert took < 15, f"50 grants took {took:.1f} s: the waiters were not woken"
     assert len(set(tokens)) == 50
 
