@@ -11,7 +11,7 @@ retrying it, what its messages look like).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distlock.exceptions import LockTimeout
@@ -21,7 +21,7 @@ from distlock.validation import check_name
 if TYPE_CHECKING:
     from distlock.leases import Lease, LostCallback
 
-__all__ = ["TaskFunction", "check_namer", "run_locked"]
+__all__ = ["TaskFunction", "arun_locked", "check_namer", "run_locked"]
 
 R = TypeVar("R")
 
@@ -128,6 +128,28 @@ def run_locked(
         ) as lease:
             entered = True
             return True, body(lease)
+    except LockTimeout:
+        if entered:
+            raise
+    return False, None
+
+
+async def arun_locked(
+    body: Callable[[Lease], Awaitable[R]], name: str, *, ttl: float, timeout: float,
+    using: str | None, holder: str, auto_renew: bool, on_lost: LostCallback | None,
+) -> tuple[bool, R | None]:
+    """:func:`run_locked` for a coroutine body, under :class:`~distlock.alock` (waiting
+    does not block the event loop; auto-renewal is an asyncio task)."""
+    from distlock.async_locks import alock
+
+    entered = False
+    try:
+        async with alock(
+            name, ttl=ttl, timeout=timeout, using=using, holder=holder,
+            auto_renew=auto_renew, on_lost=on_lost,
+        ) as lease:
+            entered = True
+            return True, await body(lease)
     except LockTimeout:
         if entered:
             raise

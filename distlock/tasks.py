@@ -45,9 +45,13 @@ A worker killed mid-task (SIGKILL, OOM) is not redelivered by django-tasks-db: i
 stays RUNNING. Its lease runs out at its TTL; the next run of the lock gets a higher token,
 and a write the dead (or paused) run makes with its stale lease is refused by fencing.
 
+An ``async def`` task function is run under :class:`~distlock.alock` (waiting does not
+block the event loop; auto-renewal is an asyncio task); the contention policy, which may
+send signals and enqueue, runs through ``sync_to_async``.
+
 Works with Django 6's ``django.tasks`` and, on Django 5.2, with the ``django-tasks``
 backport (``pip install django-distlock[tasks]``); ``django.tasks`` is used whenever it
-exists, as django-tasks-db does. ``async def`` task functions are refused for now.
+exists, as django-tasks-db does.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from importlib import import_module
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.utils import timezone
 
 from distlock.policies import (
@@ -75,7 +80,7 @@ from distlock.policies import (
     resolve,
     task_lock_busy,
 )
-from distlock.taskfunc import TaskFunction, check_namer, run_locked
+from distlock.taskfunc import TaskFunction, arun_locked, check_namer, run_locked
 from distlock.validation import Seconds, check_timeout, check_ttl
 
 if TYPE_CHECKING:
@@ -194,7 +199,7 @@ def locked_task(
     using: str | None = None,
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
-) -> Callable[[Callable[..., R]], Callable[..., R | None]]:
+) -> Callable[[Callable[..., R]], Callable[..., Any]]:
     """Run each execution of a Django task under lock ``name``.
 
     ``name`` is a ``str.format`` template over the task function's parameters
@@ -220,10 +225,11 @@ def locked_task(
     - :class:`Raise` (``"raise"``): raise :class:`LockContended` at once.
 
     Every contention is logged on the ``distlock.tasks`` logger and sent as
-    :data:`task_lock_busy` (sender: the Task). ``auto_renew`` renews the lease in a
-    helper thread for long tasks. Raises TypeError/ValueError at decoration for a bad
-    template, option or placement (above ``@task``, an ``async def`` function, a
-    ``lease`` that is not keyword-only, a parameter named ``distlock_retries``).
+    :data:`task_lock_busy` (sender: the Task). ``auto_renew`` renews the lease for long
+    tasks (a helper thread; for an ``async def`` function, an asyncio task). Raises
+    TypeError/ValueError at decoration for a bad template, option or placement (above
+    ``@task``, an async generator, a ``lease`` that is not keyword-only, a parameter
+    named ``distlock_retries``).
     """
     check_namer(name)
     if ttl is not None:
@@ -234,39 +240,41 @@ def locked_task(
         jitter=jitter,
     )
 
-    def decorate(func: Callable[..., R]) -> Callable[..., R | None]:
+    def decorate(func: Callable[..., R]) -> Callable[..., Any]:
         _check_function(func)
         function = TaskFunction(func, name, reserved=(RETRIES_KWARG,))
+        options: dict[str, Any] = {"using": using, "auto_renew": auto_renew, "on_lost": on_lost}
 
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> R | None:
+        def start(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Run:
             function.refuse_lease(kwargs)
-            retries = _retries(kwargs.pop(RETRIES_KWARG, 0))
-            context = args[0] if args and isinstance(args[0], TaskContext) else None
-            result = _running(wrapper) if context is None else context.task_result
-            lease_name = function.lock_name(args, kwargs, skip=0 if context is None else 1)
             seconds = check_ttl(ttl)
-            limit = policy.limit(seconds, wait)
-            ran, value = run_locked(
-                lambda lease: function.call(args, kwargs, lease), lease_name,
-                ttl=seconds, timeout=limit, using=using, holder=_holder(result, retries),
-                auto_renew=auto_renew, on_lost=on_lost,
-            )
-            if ran:
-                return value
-            task = None if result is None else result.task
-            result_id = None if result is None else str(result.id)
-            requeue = None
-            if task is not None:
-                call_args = args if context is None else args[1:]
-                requeue = _Requeue(task, call_args, kwargs, retries)
-            try:
-                policy.contended(Contention(
-                    task, lease_name, limit, result_id, retries, retry=requeue, log=logger,
-                ))
-            except _Requeued as queued:
-                logger.info("task %s: requeued as task %s", result_id, queued.result_id)
-            return None  # the policy skipped the body or requeued the task
+            return _Run(function, args, kwargs, wrapper, seconds, policy.limit(seconds, wait))
+
+        if iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                run = start(args, kwargs)
+                ran, value = await arun_locked(
+                    lambda lease: function.call(args, run.kwargs, lease), run.name,
+                    ttl=run.ttl, timeout=run.limit, holder=run.holder(), **options,
+                )
+                if ran:
+                    return value
+                # The policy may send signals and enqueue (database writes): sync code.
+                await sync_to_async(run.contended)(policy)
+                return None
+        else:
+            @functools.wraps(func)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                run = start(args, kwargs)
+                ran, value = run_locked(
+                    lambda lease: function.call(args, run.kwargs, lease), run.name,
+                    ttl=run.ttl, timeout=run.limit, holder=run.holder(), **options,
+                )
+                if ran:
+                    return value
+                run.contended(policy)
+                return None
 
         function.present(wrapper)
         return wrapper
@@ -274,10 +282,47 @@ def locked_task(
     return decorate
 
 
-def _check_function(func: object) -> None:
-    """Refuse what @task could not run locked: a Task, an async or non-function."""
-    from distlock.locks import refuse_async
+class _Run:
+    """One execution of a locked task: its context, TaskResult, retry count and lock name."""
 
+    def __init__(self, function: TaskFunction, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 wrapper: Callable[..., Any], ttl: float, limit: float) -> None:
+        self.kwargs = dict(kwargs)
+        self.retries = _retries(self.kwargs.pop(RETRIES_KWARG, 0))
+        context = args[0] if args and isinstance(args[0], TaskContext) else None
+        # Arguments as enqueued: without the context, which the worker adds.
+        self.args = args if context is None else args[1:]
+        self.result = _running(wrapper) if context is None else context.task_result
+        self.name = function.lock_name(args, self.kwargs, skip=0 if context is None else 1)
+        self.ttl, self.limit = ttl, limit
+
+    def holder(self) -> str:
+        """Who holds the lock, for people reading the lock table."""
+        if self.result is None:
+            return "task=(called directly)"
+        holder = f"task={self.result.task.module_path}[{self.result.id}]"
+        if len(self.result.worker_ids) > 1:
+            holder += f" attempt={len(self.result.worker_ids)}"
+        if self.retries:
+            holder += f" retry={self.retries}"
+        return holder
+
+    def contended(self, policy: ContentionPolicy) -> None:
+        """Apply ``policy`` to this run, which found its lock held: return (the body does
+        not run, or runs in a requeued copy) or raise."""
+        task = None if self.result is None else self.result.task
+        result_id = None if self.result is None else str(self.result.id)
+        requeue = None if task is None else _Requeue(task, self.args, self.kwargs, self.retries)
+        try:
+            policy.contended(Contention(
+                task, self.name, self.limit, result_id, self.retries, retry=requeue, log=logger,
+            ))
+        except _Requeued as queued:
+            logger.info("task %s: requeued as task %s", result_id, queued.result_id)
+
+
+def _check_function(func: object) -> None:
+    """Refuse what @task could not run locked: a Task, an async generator, a non-function."""
     if hasattr(func, "enqueue") and hasattr(func, "func"):
         raise TypeError(
             "@locked_task must be placed under @task (the task decorator goes on top), "
@@ -288,7 +333,11 @@ def _check_function(func: object) -> None:
             "@locked_task decorates a module-level function (Django Tasks run only "
             f"those), not {type(func).__name__}"
         )
-    refuse_async(func, "@locked_task(...)")
+    if inspect.isasyncgenfunction(func):
+        raise TypeError(
+            f"@locked_task cannot guard {func.__qualname__}(), an async generator function: "
+            "a task returns a value, it does not yield"
+        )
 
 
 def _running(wrapper: Callable[..., Any]) -> Any:
@@ -307,15 +356,3 @@ def _retries(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TypeError(f"{RETRIES_KWARG} must be a non-negative int, not {value!r}")
     return value
-
-
-def _holder(result: Any, retries: int) -> str:
-    """Who holds the lock, for people reading the lock table."""
-    if result is None:
-        return "task=(called directly)"
-    holder = f"task={result.task.module_path}[{result.id}]"
-    if len(result.worker_ids) > 1:
-        holder += f" attempt={len(result.worker_ids)}"
-    if retries:
-        holder += f" retry={retries}"
-    return holder

@@ -101,11 +101,11 @@ def test_bad_decorator_arguments_are_refused_at_decoration():
     with pytest.raises(TypeError, match="module-level function"):
         locked_task("x")(print)
 
-    async def coroutine(key):
-        pass
+    async def generator(key):
+        yield key
 
-    with pytest.raises(TypeError, match="coroutine function"):
-        locked_task("x")(coroutine)
+    with pytest.raises(TypeError, match="async generator"):
+        locked_task("x")(generator)
 
 
 def test_immediate_run_gets_its_lease_and_releases_it(lock_db):
@@ -120,6 +120,21 @@ def test_immediate_run_gets_its_lease_and_releases_it(lock_db):
     # A name from a callable, no lease parameter: current_lease() has it.
     named = tasks.now_named.enqueue(k)
     assert named.return_value == row.token + 1
+
+
+def test_an_async_task_runs_under_alock(lock_db):
+    k = key()
+    assert inspect.iscoroutinefunction(tasks.now_async.func)
+    result = tasks.now_async.enqueue(k)
+    assert result.status == SUCCESSFUL, result.errors
+    row = Lock.objects.get(name=f"counter:{k}")
+    assert result.return_value == {"token": row.token, "current": True} and row.is_free
+    held = acquire(f"counter:{k}", ttl=30)
+    try:
+        skipped = tasks.now_async.enqueue(k)  # the policy, run through the sync layer
+    finally:
+        held.release()
+    assert skipped.status == SUCCESSFUL and skipped.return_value is None
 
 
 def test_a_lease_passed_by_the_caller_is_refused(lock_db):
@@ -234,6 +249,37 @@ def test_same_key_tasks_never_overlap_and_tokens_increase(workers):
     for task_id in ids:
         assert workers.finished(task_id)["status"] == SUCCESSFUL
     released(f"counter:{k}")
+
+
+def test_async_and_sync_runs_of_one_lock_never_overlap(workers):
+    k = counter()
+    ids = [task.enqueue(k, 0.1).id for task in [tasks.hold_async, tasks.hold_wait] * 3]
+    workers.events.wait(6, kind="end", key=k, timeout=60)
+    starts = sorted(workers.events.all(kind="start", key=k), key=lambda e: e["token"])
+    ends = {e["token"]: e["db_us"] for e in workers.events.all(kind="end", key=k)}
+    assert sorted(e["task_id"] for e in starts) == sorted(ids)
+    assert len([e for e in starts if e.get("run") == "async"]) == 3
+    tokens = [e["token"] for e in starts]
+    assert tokens == list(range(tokens[0], tokens[0] + 6))
+    for earlier, later in zip(starts, starts[1:], strict=False):
+        assert later["acquired_us"] >= ends[earlier["token"]]
+    assert all(e["current"] for e in starts)
+    assert Counter.objects.get(key=k).value == 6
+    released(f"counter:{k}")
+
+
+def test_an_async_task_is_requeued_on_contention(workers):
+    k = counter()
+    held = acquire(f"counter:{k}", ttl=30)
+    first = tasks.retry_async.enqueue(k)
+    busy = workers.events.wait(2, kind="busy", name=f"counter:{k}")
+    assert [e["retries"] for e in busy[:2]] == [0, 1] and busy[0]["task_id"] == first.id
+    assert workers.finished(first.id)["status"] == SUCCESSFUL
+    assert held.release() is True
+    start = workers.events.wait(kind="start", key=k)[0]
+    assert start["run"] == "async" and start["token"] > held.token
+    workers.events.wait(kind="end", key=k)
+    assert Counter.objects.get(key=k).value == 1
 
 
 def test_skip_does_not_run_the_body_and_says_so(workers):

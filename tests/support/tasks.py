@@ -13,12 +13,14 @@ happened in that folder (tests/support/events.py).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.dispatch import receiver
 
 from distlock import current_lease
@@ -151,6 +153,43 @@ def now_named(key: str, pause: float = 0.0) -> int | None:
 @locked_task("counter:{key}", ttl=30, on_contention="raise")
 def now_fail(key: str, *, lease: Any) -> None:
     raise RuntimeError(f"the body failed holding token {lease.token}")
+
+
+# async def tasks: run under alock.
+
+
+async def _adeposit(key: str, seconds: float, lease: Any, task_id: str | None) -> int:
+    """_deposit in async code: async ORM and fenced write, events through the sync layer."""
+    fields = {
+        "task_id": task_id, "key": key, "token": lease.token, "owner": lease.owner,
+        "holder": lease.holder, "current": current_lease() is lease, "run": "async",
+    }
+    await sync_to_async(record)(
+        "start", acquired_us=us(lease.acquired_at), expires_us=us(lease.expires_at), **fields,
+    )
+    read = (await Counter.objects.aget(key=key)).value
+    await asyncio.sleep(seconds)
+    await Counter.objects.filter(key=key).afenced_update(lease, value=read + 1)
+    await sync_to_async(record)("end", read=read, **fields)
+    return int(lease.token)
+
+
+@task(takes_context=True)
+@locked_task("counter:{key}", ttl=30, on_contention="wait", timeout=30)
+async def hold_async(context: Any, key: str, seconds: float = 0.0, *, lease: Any) -> int:
+    return await _adeposit(key, seconds, lease, context.task_result.id)
+
+
+@task()
+@locked_task("counter:{key}", ttl=30, on_contention=Retry(0.2, jitter=0.1, max_retries=50))
+async def retry_async(key: str, *, lease: Any) -> int:
+    return await _adeposit(key, 0, lease, None)
+
+
+@task(backend="immediate")
+@locked_task("counter:{key}", ttl=30, on_contention="skip")
+async def now_async(key: str, *, lease: Any) -> dict[str, Any]:
+    return {"token": lease.token, "current": current_lease() is lease}
 
 
 @receiver(task_lock_busy)
