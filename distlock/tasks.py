@@ -114,6 +114,7 @@ def _framework() -> str:
     )
 
 
+#: The Tasks framework in use: "django.tasks" or "django_tasks" (import ``task`` from it).
 FRAMEWORK = _framework()
 _base = import_module(f"{FRAMEWORK}.base")
 TaskContext: type[Any] = _base.TaskContext
