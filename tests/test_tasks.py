@@ -36,7 +36,7 @@ from tests.support.helpers import us, wait_until
 from tests.support.task_workers import DbWorker, start_workers
 from tests.testapp.models import Counter
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 
 task = import_module(FRAMEWORK).task
 SUCCESSFUL, FAILED = "SUCCESSFUL", "FAILED"
