@@ -8,6 +8,7 @@ CELERY_BROKER_URL  filesystem:// (default: a folder in the project, DEMO_BROKER_
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -71,6 +72,15 @@ INSTALLED_APPS = [
     "distlock",
     "demo_project.bank",
 ]
+# Django's Tasks framework (contention_demo --django-tasks): django-tasks-db stores the
+# tasks and runs them with its db_worker. Django 6 has the framework built in; on 5.2 it
+# is the django-tasks backport (both come with the tasks extra).
+if find_spec("django_tasks_db"):
+    INSTALLED_APPS.append("django_tasks_db")
+    if not find_spec("django.tasks"):
+        INSTALLED_APPS.append("django_tasks")
+    # QUEUES [] accepts any queue name: each demo run has a queue of its own.
+    TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend", "QUEUES": []}}
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

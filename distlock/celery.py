@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,8 +34,6 @@ from celery import Task, current_task
 from celery.local import Proxy
 from celery.signals import before_task_publish
 
-from distlock.exceptions import LockTimeout
-from distlock.names import NameTemplate
 from distlock.policies import (
     Contention,
     ContentionPolicy,
@@ -48,7 +45,8 @@ from distlock.policies import (
     resolve,
     task_lock_busy,
 )
-from distlock.validation import Seconds, check_name, check_timeout, check_ttl
+from distlock.taskfunc import TaskFunction, check_namer, run_locked
+from distlock.validation import Seconds, check_timeout, check_ttl
 
 if TYPE_CHECKING:
     from distlock.leases import Lease, LostCallback
@@ -136,13 +134,7 @@ def locked_task(
     :data:`task_lock_busy`. ``auto_renew`` renews the lease in a helper thread for long
     tasks; a TTL longer than the broker's visibility timeout is reported with a warning.
     """
-    template: NameTemplate | None = None
-    if isinstance(name, str):
-        template = NameTemplate(name, example="invoice_id")
-    elif not callable(name):
-        raise TypeError(
-            f"lock name must be a str template or a callable, not {type(name).__name__}"
-        )
+    check_namer(name)
     if ttl is not None:
         check_ttl(ttl)
     wait = check_timeout(timeout)
@@ -159,43 +151,18 @@ def locked_task(
                 "@locked_task must be placed under @shared_task/@app.task (the task "
                 "decorator goes on top), so that the worker runs the locked function"
             )
-        signature = inspect.signature(func)
-        params = signature.parameters
-        if template is not None:
-            template.check_parameters(params, func.__qualname__)
-        takes_lease = "lease" in params
-        if takes_lease and params["lease"].kind is not inspect.Parameter.KEYWORD_ONLY:
-            raise TypeError(
-                f"{func.__qualname__}(): 'lease' must be a keyword-only parameter "
-                "(def task(self, ..., *, lease)); distlock passes it, callers never do"
-            )
-        public = signature.replace(
-            parameters=[p for p in params.values() if p.name != "lease"]
-        )
+        function = TaskFunction(func, name)
         warned: set[str] = set()
-
-        def lock_name(
-            task: Task[Any, Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any],
-        ) -> str:
-            if template is not None:
-                return check_name(template.format_call(public, args, kwargs))
-            assert callable(name)
-            call_args = args[1:] if task is not None and args and args[0] is task else args
-            return check_name(name(*call_args, **kwargs))
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> R | None:
-            # Imported here: a tasks module importing this one may load before Django's
-            # app registry is ready, and distlock.locks imports the Lock model.
-            from distlock.locks import lock
-
-            if "lease" in kwargs:
-                raise TypeError("the lease is passed by distlock; do not pass 'lease' yourself")
+            function.refuse_lease(kwargs)
             task = args[0] if args and isinstance(args[0], Task) else _running_task()
             request = getattr(task, "request", None)
             task_id = getattr(request, "id", None)
             retries = int(getattr(request, "retries", 0) or 0)
-            lease_name = lock_name(task, args, kwargs)
+            bound = task is not None and bool(args) and args[0] is task
+            lease_name = function.lock_name(args, kwargs, skip=1 if bound else 0)
             seconds = check_ttl(ttl)
             if task is not None and task.name not in warned:
                 warned.add(task.name)
@@ -206,34 +173,32 @@ def locked_task(
                 holder += f" retry={retries}"
             if request is not None and (request.delivery_info or {}).get("redelivered"):
                 holder += " redelivered"
+
+            def body(lease: Lease) -> R:
+                with _run(task_id, lease):
+                    result: R = function.call(args, kwargs, lease)
+                    return result
+
             # Celery queues a retry before the run asking for it has left the body and
             # released: a retried run meeting the lease of that run (named in its message)
             # gives the release a moment before calling the lock contended.
             previous = getattr(request, RETRY_OF_HEADER, None) if retries else None
             for attempt in (limit, max(limit, RETRY_GRACE)):
-                entered = False
-                try:
-                    with lock(
-                        lease_name, ttl=seconds, timeout=attempt, using=using, holder=holder,
-                        auto_renew=auto_renew, on_lost=on_lost,
-                    ) as lease:
-                        entered = True
-                        with _run(task_id, lease):
-                            if takes_lease:
-                                return func(*args, lease=lease, **kwargs)
-                            return func(*args, **kwargs)
-                except LockTimeout:
-                    if entered:  # raised by the body, not by the lock: not contention
-                        raise
+                ran, value = run_locked(
+                    body, lease_name, ttl=seconds, timeout=attempt, using=using,
+                    holder=holder, auto_renew=auto_renew, on_lost=on_lost,
+                )
+                if ran:
+                    return value
                 if not _held_by(lease_name, previous, using):
                     break
-            policy.contended(Contention(task, lease_name, limit, task_id, retries))
+            policy.contended(Contention(
+                task, lease_name, limit, task_id, retries,
+                retry=None if task is None else task.retry,
+            ))
             return None  # the policy skipped the body (any other decision raised)
 
-        wrapper.__signature__ = public  # type: ignore[attr-defined]
-        # functools.wraps set __wrapped__; tools that follow it would show (and Celery's
-        # newer argument check would read) the signature with 'lease' in it.
-        del wrapper.__wrapped__
+        function.present(wrapper)
         return wrapper
 
     return decorate

@@ -5,14 +5,17 @@ is made) and deciding by its own :meth:`ContentionPolicy.contended` — the shap
 django-pglock's ``Skip``/``Raise``/``Return``. ``locked_task`` keeps the strings
 ``"retry"``, ``"skip"``, ``"wait"`` and ``"raise"`` as aliases (:func:`resolve`).
 
-Celery is not imported here: a policy only needs the task object it is handed, so the
-same policies can serve any task runner. Import them from :mod:`distlock.celery`.
+No task runner is imported here: a policy decides from the :class:`Contention` it is
+handed (the runner's task object, and how to queue the run again), so the same policies
+serve Celery (:mod:`distlock.celery`) and Django's Tasks framework (:mod:`distlock.tasks`);
+import them from either.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -62,6 +65,11 @@ class Contention:
     limit: float  # how long the run tried for the lock, in seconds
     task_id: str | None
     retries: int  # the task's retry count so far
+    # Queues the run again: retry(exc=..., countdown=seconds[, max_retries=n]) returns (or
+    # raises) the exception that ends this run, as Celery's Task.retry does. None: the
+    # run cannot be queued again (it is not running as a task).
+    retry: Callable[..., BaseException] | None = None
+    log: logging.Logger = logger  # where the policy says what it decided
 
 
 class ContentionPolicy:
@@ -79,9 +87,9 @@ class ContentionPolicy:
 
     def _announce(self, busy: Contention, outcome: str, countdown: float | None = None) -> None:
         if countdown is None:
-            logger.warning("task %s: lock %r is busy; %s", busy.task_id, busy.name, outcome)
+            busy.log.warning("task %s: lock %r is busy; %s", busy.task_id, busy.name, outcome)
         else:
-            logger.info("task %s: lock %r is busy; %s", busy.task_id, busy.name, outcome)
+            busy.log.info("task %s: lock %r is busy; %s", busy.task_id, busy.name, outcome)
         task_lock_busy.send(
             sender=busy.task, name=busy.name, policy=self.alias, task_id=busy.task_id,
             retries=busy.retries, countdown=countdown,
@@ -147,9 +155,10 @@ class Retry(ContentionPolicy):
 
     ``jitter=True`` spreads the retries over another ``countdown`` (so contenders do not
     come back together), ``False`` not at all, a number over that many seconds.
-    ``max_retries`` (default: the task's own) bounds the retries; then the task fails
-    with :class:`LockContended`. Raises TypeError/ValueError for a negative or non-numeric
-    countdown or jitter, or a max_retries that is not a non-negative int or None.
+    ``max_retries`` (default: the task's own; a Django Tasks task has none, so 3, as
+    Celery's default) bounds the retries; then the task fails with :class:`LockContended`.
+    Raises TypeError/ValueError for a negative or non-numeric countdown or jitter, or a
+    max_retries that is not a non-negative int or None.
     """
 
     alias = "retry"
@@ -176,7 +185,7 @@ class Retry(ContentionPolicy):
         self.max_retries = max_retries
 
     def contended(self, busy: Contention) -> None:
-        if busy.task is None:  # nothing to retry: not running as a task
+        if busy.retry is None:  # nothing to retry: not running as a task
             self._announce(busy, "raising")
             raise LockContended(busy.name, busy.limit, busy.task_id)
         delay = self.countdown + random.uniform(0, self.jitter)
@@ -184,7 +193,7 @@ class Retry(ContentionPolicy):
         options: dict[str, Any] = {"countdown": delay}
         if self.max_retries is not None:
             options["max_retries"] = self.max_retries
-        raise busy.task.retry(exc=LockContended(busy.name, busy.limit, busy.task_id), **options)
+        raise busy.retry(exc=LockContended(busy.name, busy.limit, busy.task_id), **options)
 
 
 def resolve(

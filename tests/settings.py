@@ -9,6 +9,7 @@ of the test database the parent created, and use it as it is.
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -86,7 +87,20 @@ INSTALLED_APPS = [
     "distlock",
     "tests.testapp",
     "tests.stressapp",
+    # Django Tasks (tests/test_tasks.py): the database backend its db_worker runs.
+    "django_tasks_db",
 ]
+# Django 6 has the Tasks framework built in; on 5.2 it is the django-tasks backport.
+TASKS_FRAMEWORK = "django.tasks" if find_spec("django.tasks") else "django_tasks"
+if TASKS_FRAMEWORK == "django_tasks":
+    INSTALLED_APPS.append("django_tasks")
+TASKS = {
+    # QUEUES [] accepts any queue name: a test's workers can have a queue of their own.
+    "default": {"BACKEND": "django_tasks_db.DatabaseBackend", "QUEUES": []},
+    "immediate": {
+        "BACKEND": f"{TASKS_FRAMEWORK}.backends.immediate.ImmediateBackend", "QUEUES": [],
+    },
+}
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

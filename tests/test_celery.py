@@ -59,7 +59,8 @@ from tests.support.celery_app import (
     retry_self,
     unbound,
 )
-from tests.support.celery_workers import Events, Worker
+from tests.support.celery_workers import Worker
+from tests.support.events import Events
 from tests.support.helpers import us
 
 pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]

@@ -24,7 +24,8 @@ from distlock.models import Lock
 from tests.stress.celery_tasks import HARD_LIMIT, TTL
 from tests.stress.harness import HISTORY, drop_triggers, install_triggers, rows
 from tests.support.celery_app import DIR_ENV, QUEUE_ENV, broker_url
-from tests.support.celery_workers import Events, Worker
+from tests.support.celery_workers import Worker
+from tests.support.events import Events
 from tests.support.helpers import wait_until
 from tests.support.processes import ROOT
 

@@ -114,6 +114,26 @@ def test_demo_fenced_loses_nothing_and_unfenced_loses_updates(tmp_path, demo_env
         os.killpg(json.loads(out.read_text())["process_group"], 0)
 
 
+def test_demo_with_django_tasks_workers(tmp_path, demo_env):
+    """--django-tasks: the same story with django-tasks-db db_worker processes."""
+    out = tmp_path / "result.json"
+    done = run_demo(
+        demo_env, "--django-tasks", "--workers", "2", "--tasks", "4", "--pause-grants", "2",
+        "--ttl", "0.5", "--work", "0.05", "--json", str(out),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 Django Tasks db_worker processes" in done.stdout
+    result = json.loads(out.read_text())["modes"]
+    fenced, unfenced = result["fenced"], result["unfenced"]
+    assert fenced["lost_updates"] == 0 and fenced["final"] == 4 and fenced["complete"]
+    assert len(fenced["stale_writes_refused"]) == 1 and fenced["retries"] == 1
+    assert unfenced["lost_updates"] >= 1 and len(unfenced["stale_writes_accepted"]) == 1
+    for mode in (fenced, unfenced):
+        assert mode["tokens_strictly_increasing"] and len(mode["workers"]) == 2
+    with pytest.raises(ProcessLookupError):
+        os.killpg(json.loads(out.read_text())["process_group"], 0)
+
+
 def test_ctrl_c_stops_the_workers(tmp_path, demo_env):
     proc = subprocess.Popen(
         [sys.executable, "manage.py", "contention_demo", "--tasks", "200"],

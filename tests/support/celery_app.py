@@ -6,13 +6,11 @@ the filesystem transport (a folder per test session) or Redis. Each session uses
 queue, so runs sharing a Redis server do not take each other's tasks.
 
 Tasks report what happened as JSON lines appended to ``events.jsonl`` in the session
-folder (one ``write`` per line with O_APPEND, so lines from several processes never
-interleave); times come from the database clock, like the leases'.
+folder (tests/support/events.py); times come from the database clock, like the leases'.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
-from celery import Celery, signals  # noqa: E402 - the fixup needs the settings module set
+from celery import Celery, Task, signals  # noqa: E402 - the fixup needs the settings module set
 from django.dispatch import receiver  # noqa: E402
 
 from demo_project import kombu_filesystem  # noqa: E402, F401 - filesystem:// writes whole files
@@ -33,6 +31,7 @@ from distlock.celery import (  # noqa: E402
     locked_task,
     task_lock_busy,
 )
+from tests.support import events  # noqa: E402
 
 DIR_ENV = "DISTLOCK_TEST_CELERY_DIR"
 QUEUE_ENV = "DISTLOCK_TEST_CELERY_QUEUE"
@@ -110,26 +109,13 @@ def base_dir() -> Path:
 
 
 def record(kind: str, **data: Any) -> None:
-    """Append one event line, stamped with the pid and the database clock."""
-    from distlock.db import db_now_us
-
-    line = json.dumps({"kind": kind, "pid": os.getpid(), "db_us": db_now_us("default"), **data})
-    fd = os.open(base_dir() / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+    """Append one event line to the session folder's events.jsonl."""
+    events.record(base_dir(), kind, **data)
 
 
 def wait_for_file(name: str, timeout: float = 60.0) -> bool:
     """Block until the test creates ``name`` in the session folder (a go signal)."""
-    path = base_dir() / name
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return events.wait_for_file(base_dir() / name, timeout)
 
 
 def _lease_event(kind: str, task: Any, key: str, lease: Any) -> None:
@@ -237,6 +223,8 @@ def unbound(key: str) -> None:
 @receiver(task_lock_busy)
 def _busy(sender: Any, name: str, policy: str, task_id: str | None, retries: int,
           countdown: float | None, **kwargs: Any) -> None:
+    if not isinstance(sender, Task):
+        return  # not a Celery task: e.g. a Django Tasks task (tests/support/tasks.py)
     request = getattr(sender, "request", None)
     record(
         "busy", task_id=task_id, name=name, policy=policy, retries=retries,

@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +158,58 @@ class Children:
     def close(self) -> None:
         for child in self.all:
             child.kill()
+
+
+class LoggedWorker:
+    """A long-running worker process (a Celery or Django Tasks worker) in its own session
+    (process group), its output in a log file; stopped by killing that group by its id.
+
+    ``argv`` runs in the repository with :func:`child_env` plus ``env``.
+    """
+
+    what = "worker"
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=child_env(**env), cwd=ROOT, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Wait until ``ready()``; fail (stopping the worker) if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.what} exited ({self.proc.returncode}):\n"
+                                     + self.tail())
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"{self.what} not ready within {timeout} s:\n"
+                                     + self.tail())
+            time.sleep(0.05)
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        """Kill the worker and its children (its own process group) and reap it.
+
+        The tests wait for their tasks to finish, so nothing is in flight here and a
+        warm shutdown would only cost time.
+        """
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        # Children that outlived their parent are in the same group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)

@@ -1,19 +1,17 @@
-"""``python manage.py contention_demo``: Celery workers race for one lock, with and without
+"""``python manage.py contention_demo``: workers race for one lock, with and without
 fencing, and the report shows which run lost updates.
 
-It migrates the database, starts N real ``celery worker`` processes (one process group,
-killed on exit, error or Ctrl-C), queues M deposits of 1 into one account, each under the
-lock ``account:<id>`` with a short TTL, and makes some holders stall past their lease.
+It migrates the database, starts N real worker processes (one process group, killed on
+exit, error or Ctrl-C) — ``celery worker``, or with ``--django-tasks`` django-tasks-db's
+``db_worker`` — queues M deposits of 1 into one account, each under the lock
+``account:<id>`` with a short TTL, and makes some holders stall past their lease.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +22,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from demo_project.bank.workers import RUNNERS, Workers
 from distlock import acquire
 
 MODES = ("fenced", "unfenced")
@@ -44,93 +43,10 @@ def _grants(value: str) -> list[int]:
     return grants
 
 
-class Workers:
-    """N ``celery worker`` processes in one new process group, stopped by that group id."""
-
-    def __init__(self, count: int, queue: str, folder: Path, ttl: float) -> None:
-        self.folder = folder
-        self.count = count
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.pgid: int | None = None
-        env = {
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "demo_project.settings",
-            "DEMO_LOCK_TTL": str(ttl),
-            "DEMO_READY_DIR": str(folder),
-            "PYTHONPATH": os.pathsep.join(
-                [str(settings.BASE_DIR), os.environ.get("PYTHONPATH", "")]
-            ),
-        }
-        try:
-            for number in range(1, count + 1):
-                self._start(number, queue, env)
-        except BaseException:
-            self.stop(grace=0)
-            raise
-
-    def _start(self, number: int, queue: str, env: dict[str, str]) -> None:
-        # The first worker leads a new process group (outside the terminal's, so Ctrl-C
-        # reaches only this command, which then stops the group); the others join it.
-        with open(self.folder / f"worker{number}.log", "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "demo_project.celery", "worker",
-                 "-P", "prefork", "-c", "1", "-Q", queue, "-n", f"demo{number}@%h",
-                 "--without-gossip", "--without-mingle", "--without-heartbeat",
-                 "-l", "warning"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                cwd=settings.BASE_DIR, process_group=self.pgid or 0,
-            )
-        self.procs.append(proc)
-        if self.pgid is None:
-            self.pgid = proc.pid
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len(list(self.folder.glob("ready-*"))) < self.count:
-            for number, proc in enumerate(self.procs, 1):
-                if proc.poll() is not None:
-                    raise CommandError(
-                        f"celery worker {number} exited with {proc.returncode}:\n"
-                        + self.tail(number)
-                    )
-            if time.monotonic() > deadline:
-                raise CommandError(f"the workers were not ready within {timeout:.0f} s")
-            time.sleep(0.1)
-
-    def tail(self, number: int, lines: int = 20) -> str:
-        path = self.folder / f"worker{number}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the group (warm shutdown), SIGKILL whatever is left after ``grace`` s."""
-        if self.pgid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pgid, signal.SIGKILL)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        # The workers' pool children are the group too; they are gone only once reaped.
-        gone_by = time.monotonic() + 5
-        while time.monotonic() < gone_by:
-            try:
-                os.killpg(self.pgid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        self.pgid = None
-
-
 class Command(BaseCommand):
     help = (
-        "Run N Celery workers racing for one lock over M deposits, with holders stalling "
+        "Run N Celery (or Django Tasks) workers racing for one lock over M deposits, with "
+        "holders stalling "
         "past their lease, in fenced and unfenced modes, and report the lost updates."
     )
 
@@ -151,6 +67,12 @@ class Command(BaseCommand):
         parser.add_argument("--timeout", type=_positive, default=120.0,
                             help="give up on a mode after this many seconds")
         parser.add_argument("--json", dest="json_path", help="also write the results here")
+        parser.add_argument(
+            "--django-tasks", dest="runner", action="store_const", const="django-tasks",
+            default="celery",
+            help="run the deposits as Django Tasks on django-tasks-db db_worker processes "
+                 "instead of Celery workers",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         started = time.monotonic()
@@ -170,6 +92,11 @@ class Command(BaseCommand):
                 "overtaken if another grant comes after it"
             )
         modes = list(MODES) if options["mode"] == "both" else [options["mode"]]
+        runner = options["runner"]
+        if runner == "django-tasks" and "django_tasks_db" not in settings.INSTALLED_APPS:
+            raise CommandError(
+                "--django-tasks needs django-tasks-db (pip install django-distlock[tasks])"
+            )
 
         self._prepare()
         run = uuid.uuid4().hex[:8]
@@ -177,15 +104,17 @@ class Command(BaseCommand):
         folder = Path(settings.DEMO_BROKER_DIR) / "runs" / run
         folder.mkdir(parents=True, exist_ok=True)
         self.stdout.write(
-            f"distlock contention demo {run}: {workers} Celery workers, {tasks} deposits per "
-            f"mode, lock ttl {options['ttl']} s, grants {', '.join(map(str, pauses))} stall "
-            f"past their lease\n  database {settings.DATABASES['default']['ENGINE']}"
-            f" {settings.DATABASES['default']['NAME']}, broker {settings.CELERY_BROKER_URL}\n"
-            f"  admin: http://127.0.0.1:8000/admin/ (login {ADMIN_USER} / {ADMIN_PASSWORD};"
+            f"distlock contention demo {run}: {workers} {RUNNERS[runner]}, {tasks} deposits "
+            f"per mode, lock ttl {options['ttl']} s, grants {', '.join(map(str, pauses))} "
+            f"stall past their lease\n  database {settings.DATABASES['default']['ENGINE']}"
+            f" {settings.DATABASES['default']['NAME']}, "
+            + (f"broker {settings.CELERY_BROKER_URL}\n" if runner == "celery" else
+               "tasks in the database (django-tasks-db)\n")
+            + f"  admin: http://127.0.0.1:8000/admin/ (login {ADMIN_USER} / {ADMIN_PASSWORD};"
             " start it with `python manage.py runserver`) shows the locks while this runs"
         )
         previous = signal.signal(signal.SIGTERM, _interrupt)
-        pool = Workers(workers, queue, folder, options["ttl"])
+        pool = Workers(workers, queue, folder, options["ttl"], runner)
         results: dict[str, dict[str, Any]] = {}
         group = pool.pgid
         interrupted = False
@@ -196,14 +125,14 @@ class Command(BaseCommand):
                 f"(process group {group}, logs in {folder})"
             )
             for mode in modes:
-                results[mode] = self._run_mode(mode, run, queue, pauses, options)
+                results[mode] = self._run_mode(mode, run, queue, pauses, options, runner)
         except KeyboardInterrupt:
             interrupted = True
             raise CommandError("interrupted; the workers were stopped") from None
         finally:
             # Warm shutdown (running tasks finish); on Ctrl-C wait less before SIGKILL.
             pool.stop(grace=3.0 if interrupted else 10.0)
-            _drop_queue(queue)
+            _drop_queue(queue, runner)
             signal.signal(signal.SIGTERM, previous)
             for path in folder.glob("ready-*"):
                 path.unlink()
@@ -234,9 +163,9 @@ class Command(BaseCommand):
 
     def _run_mode(
         self, mode: str, run: str, queue: str, pauses: list[int], options: dict[str, Any],
+        runner: str,
     ) -> dict[str, Any]:
         from demo_project.bank.models import Account, Attempt
-        from demo_project.bank.tasks import deposit
 
         tasks = options["tasks"]
         account = Account.objects.create(name=f"demo {run} {mode}")
@@ -249,11 +178,16 @@ class Command(BaseCommand):
         self.stdout.write(f"\n{mode}: {tasks} deposits into {name}")
         started = time.monotonic()
         for number in range(1, tasks + 1):
-            deposit.apply_async(
-                (run, mode, account.pk, number, options["work"], base, pauses,
-                 options["pause_max"]),
-                queue=queue,
-            )
+            args = (run, mode, account.pk, number, options["work"], base, pauses,
+                    options["pause_max"])
+            if runner == "celery":
+                from demo_project.bank.tasks import deposit
+
+                deposit.apply_async(args, queue=queue)
+            else:
+                from demo_project.bank import db_tasks
+
+                db_tasks.deposit.using(queue_name=queue).enqueue(*args)
         shown: set[int] = set()
         deadline = started + options["timeout"]
         complete = False
@@ -355,8 +289,14 @@ class Command(BaseCommand):
         out(f"  wall time {elapsed:.1f} s")
 
 
-def _drop_queue(queue: str) -> None:
+def _drop_queue(queue: str, runner: str) -> None:
     """Delete the run's queue and any message left in it (after Ctrl-C), best effort."""
+    if runner == "django-tasks":
+        from django_tasks_db.models import DBTaskResult
+
+        # Tasks nobody will run (no worker takes this run's queue any more).
+        DBTaskResult.objects.filter(queue_name=queue, status="READY").delete()
+        return
     from kombu import Exchange, Queue
 
     from demo_project.celery import app
