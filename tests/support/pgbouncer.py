@@ -178,12 +178,14 @@ def start(server_url: str, *, port: int | None = None, pool_size: int = 20) -> P
         if user:
             for path in (directory, *directory.iterdir()):
                 shutil.chown(path, user)
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # In the foreground PgBouncer also logs to stderr: to a file, never to a pipe
+        # nobody reads (a full pipe would stop it).
+        with open(directory / "stderr.log", "wb") as stderr:
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
         bouncer = PgBouncer(process, directory, chosen, server, found, prepared)
         if _ready(bouncer):
             return bouncer
-        log = bouncer.log() + (process.stderr.read().decode(errors="replace")
-                               if process.stderr else "")
+        log = bouncer.log() + (directory / "stderr.log").read_text(errors="replace")
         bouncer.stop()
         # A free port taken by someone else between our probe and PgBouncer's bind.
         if port is None and "Address already in use" in log and attempt < 4:
@@ -319,9 +321,13 @@ def sweep(bouncer_port: int, server: Server, dbname: str, *, reset: bool = False
                     client.execute("RESET ALL")
     finally:
         for client in clients:
-            # Commit only what reset did; the sweep's own question changed nothing.
+            # Ended here, not left to the close: PgBouncer would end a transaction of a
+            # client that went away on its own time, after the check below had seen it.
+            # Committed only when reset changed something.
             if reset:
                 client.commit()
+            else:
+                client.rollback()
             client.close()
     with server.connect("postgres") as direct:
         for pid, datname, objid, mode in direct.execute(
