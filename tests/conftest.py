@@ -87,9 +87,9 @@ _SWEEP: list[str] = []
 @pytest.fixture(scope="session", autouse=True)
 def pgbouncer_strands_nothing(request: pytest.FixtureRequest):
     """The PgBouncer pass: after the last test, no pooled server connection of the test
-    database holds a LISTEN, an advisory lock, a prepared statement or an open transaction
-    (tests/support/pgbouncer.py's sweep), or the run fails. Then PgBouncer lets go of its
-    server connections (KILL, RESUME), so that Django can drop the test database."""
+    database holds a LISTEN, an advisory lock, a prepared statement, a SET or an open
+    transaction (tests/support/pgbouncer.py's sweep), or the run fails. Then PgBouncer
+    lets go of its server connections (KILL, RESUME), so Django can drop the database."""
     if not settings.PGBOUNCER:
         yield
         return

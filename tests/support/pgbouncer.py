@@ -154,7 +154,7 @@ def admin(port: int, user: str, command: str) -> list[dict[str, Any]]:
         return [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
 
 
-def start(server_url: str, *, port: int | None = None, pool_size: int = 20) -> PgBouncer:
+def start(server_url: str, *, port: int | None = None) -> PgBouncer:
     """Start PgBouncer on 127.0.0.1 (``port``, or a free one) in front of ``server_url``.
 
     ``pool_mode = transaction``; a wildcard ``[databases]`` entry, so every database of
@@ -248,9 +248,8 @@ class Sweep:
     stranded: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"{len(self.servers)} pooled server connection(s) inspected, "
-                f"{len(self.stranded)} with session state left: "
-                + ("; ".join(self.stranded) or "none"))
+        return (f"{len(self.servers)} pooled server connection(s) inspected; left behind: "
+                + ("; ".join(self.stranded) or "nothing"))
 
 
 # Per server connection, from inside it: what a client left on the session.
