@@ -56,10 +56,65 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """Say what this run tests: vendor, server version, Django (and the Celery broker)."""
-    return [
+    lines = [
         f"distlock: database {_SERVER.get('database')}; Django {django.__version__}; "
         f"Celery broker {_SERVER.get('broker')}"
     ]
+    if settings.PGBOUNCER:
+        port = settings.DATABASES["default"]["PORT"]
+        lines.append(
+            f"distlock: through PgBouncer at 127.0.0.1:{port} in transaction pooling mode; "
+            f"DISTLOCK_WAKEUPS = {settings.DISTLOCK_WAKEUPS}, "
+            f"DISTLOCK_PREPARE_STATEMENTS = {settings.DISTLOCK_PREPARE_STATEMENTS}"
+        )
+    return lines
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The PgBouncer pass skips, loudly and with the reason, what needs a session of its own
+    (``@pytest.mark.no_pooler(reason)``): docs/deployment.md lists them."""
+    if not settings.PGBOUNCER:
+        return
+    for item in items:
+        marker = item.get_closest_marker("no_pooler")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=f"transaction pooling: {marker.args[0]}"))
+
+
+_SWEEP: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pgbouncer_strands_nothing(request: pytest.FixtureRequest):
+    """The PgBouncer pass: after the last test, no pooled server connection of the test
+    database holds a LISTEN, an advisory lock, a prepared statement, a SET or an open
+    transaction (tests/support/pgbouncer.py's sweep), or the run fails. Then PgBouncer
+    lets go of its server connections (KILL, RESUME), so Django can drop the database."""
+    if not settings.PGBOUNCER:
+        yield
+        return
+    request.getfixturevalue("django_db_setup")
+    yield
+    from django.db import connections
+
+    from tests.support.pgbouncer import Server, admin, sweep
+
+    connections.close_all()
+    port = int(settings.DATABASES["default"]["PORT"])
+    server = Server.from_url(settings.PGBOUNCER)
+    name = str(settings.DATABASES["default"]["NAME"])
+    try:
+        found = sweep(port, server, name)
+        _SWEEP.append(f"distlock through PgBouncer, test database {name}: {found.summary()}")
+        assert not found.stranded, found.summary()
+    finally:
+        admin(port, server.user, f'KILL "{name}"')
+        admin(port, server.user, f'RESUME "{name}"')
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _SWEEP:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

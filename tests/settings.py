@@ -2,6 +2,11 @@
 postgresql or mariadb. Server addresses come from DISTLOCK_TEST_POSTGRES and
 DISTLOCK_TEST_MARIADB (URLs), with the local defaults below.
 
+DISTLOCK_TEST_PGBOUNCER (set by scripts/pgbouncer) says that DISTLOCK_TEST_POSTGRES is a
+transaction-pooling PgBouncer in front of the server at that URL: the suite then runs with
+the settings docs/deployment.md gives for that case, and tests/conftest.py proves at the
+end that nothing was left on a pooled server connection.
+
 Child processes spawned by tests (tests/support/processes.py) get DISTLOCK_TEST_CHILD_DB, the name
 of the test database the parent created, and use it as it is.
 """
@@ -64,6 +69,18 @@ elif BACKEND == "mariadb":
     default["TEST"] = {"NAME": f"test_distlock{SUFFIX}", "CHARSET": "utf8mb4"}
 else:
     raise RuntimeError(f"DISTLOCK_TEST_BACKEND={BACKEND!r}: use sqlite, postgresql or mariadb")
+
+# The PgBouncer pass (scripts/pgbouncer): docs/deployment.md's settings for a transaction
+# pooler. DISTLOCK_TEST_PGBOUNCER_PREPARED=1: this PgBouncer keeps prepared statements per
+# client (1.21+ with max_prepared_statements), so distlock may prepare its own.
+PGBOUNCER = os.environ.get("DISTLOCK_TEST_PGBOUNCER", "")
+if PGBOUNCER:
+    if BACKEND != "postgresql":
+        raise RuntimeError("DISTLOCK_TEST_PGBOUNCER needs DISTLOCK_TEST_BACKEND=postgresql")
+    DISTLOCK_WAKEUPS = False
+    DISTLOCK_PREPARE_STATEMENTS = os.environ.get("DISTLOCK_TEST_PGBOUNCER_PREPARED") == "1"
+    # Django's own advice for transaction pooling: no WITH HOLD cursors for .iterator().
+    default["DISABLE_SERVER_SIDE_CURSORS"] = True
 
 if CHILD_DB:
     default["NAME"] = CHILD_DB

@@ -434,6 +434,7 @@ def test_auto_renew_is_a_task_and_reports_loss(settings):
 # -- PostgreSQL: a release wakes async waiters ----------------------------------------------
 
 
+@pytest.mark.no_pooler("the LISTEN connection of DISTLOCK_WAKEUPS = True needs a session")
 def test_a_release_wakes_async_waiters_through_one_shared_connection(settings):
     if connection.vendor != "postgresql":
         pytest.skip("LISTEN/NOTIFY wake-ups are PostgreSQL's")

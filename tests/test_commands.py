@@ -238,6 +238,34 @@ def test_doctor_on_the_test_database():
     else:
         assert "isolation level is read committed" in out
         assert "[ok] the lock alias 'default' is its own connection" in out
+        if settings.PGBOUNCER:  # the documented settings for the pooler: nothing to fix
+            assert "[ok] a transaction pooler (such as PgBouncer" in out
+            assert "[ok] DISTLOCK_WAKEUPS is False" in out
+        else:
+            assert "[ok] no transaction pooler: each connection kept its own server" in out
+
+
+@pytest.mark.skipif(not settings.PGBOUNCER, reason="the PgBouncer pass only (scripts/pgbouncer)")
+def test_doctor_behind_a_transaction_pooler_names_the_settings_to_change(settings):
+    pooler_prepares = settings.DISTLOCK_PREPARE_STATEMENTS  # True: PgBouncer 1.21+ (see settings)
+    settings.DISTLOCK_WAKEUPS = True
+    settings.DISTLOCK_PREPARE_STATEMENTS = True
+    out = StringIO()
+    with pytest.raises(CommandError, match=r"distlock_doctor: \d problem"):
+        call_command("distlock_doctor", stdout=out, stderr=StringIO())
+    text = out.getvalue()
+    assert "[ok] a transaction pooler (such as PgBouncer with pool_mode = transaction) is " \
+           "between distlock and the server: two connections were served by the same " \
+           "backend" in text
+    assert "[FAIL] set DISTLOCK_WAKEUPS = False" in text
+    if pooler_prepares:
+        assert "keeps prepared statements per connection" in text
+    else:
+        assert "[FAIL] set DISTLOCK_PREPARE_STATEMENTS = False: this pooler lets one " \
+               "connection's prepared statements reach another" in text
+    settings.DISTLOCK_WAKEUPS = False
+    settings.DISTLOCK_PREPARE_STATEMENTS = pooler_prepares
+    assert "no problems, 0 warning(s)" in run("distlock_doctor")
 
 
 def test_doctor_reports_skew_over_the_limit_as_a_warning():

@@ -180,6 +180,7 @@ def _prepared_acquires() -> int:
 
 
 @postgresql_only
+@pytest.mark.no_pooler("counts the statements prepared on its own session")
 def test_statements_are_prepared_once_per_session():
     """DISTLOCK_PREPARE_STATEMENTS (default True): prepared at first use, then reused."""
     connection.close()
@@ -191,6 +192,7 @@ def test_statements_are_prepared_once_per_session():
 
 
 @postgresql_only
+@pytest.mark.no_pooler("counts the statements prepared on its own session")
 def test_statements_follow_the_connection_when_told_not_to_prepare(settings):
     """DISTLOCK_PREPARE_STATEMENTS = False (a PgBouncer without prepared statements):
     like Django's own queries, prepared only if OPTIONS["prepare_threshold"] says so."""
@@ -210,6 +212,7 @@ def test_statements_follow_the_connection_when_told_not_to_prepare(settings):
 
 
 @postgresql_only
+@pytest.mark.no_pooler("counts the statements prepared on its own session")
 def test_a_session_that_lost_its_prepared_statements_prepares_them_again():
     """DEALLOCATE ALL behind psycopg's back (psycopg still thinks they exist): the next
     operation is not refused for it, nor is any later one on that connection."""
@@ -254,6 +257,7 @@ def test_operations_reuse_one_connection():
 
 
 @postgresql_only
+@pytest.mark.no_pooler("ends its session's backend: the pooler hides that from the client")
 def test_a_broken_connection_fails_the_call_and_is_replaced_by_the_next():
     acquire("reconnect", ttl=30).release()
     pid = connection.connection.info.backend_pid

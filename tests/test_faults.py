@@ -43,7 +43,11 @@ import pytest
 from tests.support.helpers import wait_until
 from tests.support.processes import ROOT, Child, Children
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.processes,
+    pytest.mark.no_pooler("runs its own PostgreSQL server: no pooler is in the way"),
+]
 
 WANTED = (
     os.environ.get("DISTLOCK_TEST_BACKEND") == "postgresql"

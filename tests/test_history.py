@@ -213,6 +213,10 @@ def show(capsys: pytest.CaptureFixture[str], outcome) -> None:
 
 @pytest.mark.slow
 @pytest.mark.processes
+@pytest.mark.no_pooler(
+    "the nemesis ends a worker's sessions by their application_name, which a pooler sets on "
+    "whichever server connection the worker's last transaction used"
+)
 def test_no_violations_under_the_nemesis(lock_db, capsys):
     """PostgreSQL 25 s, SQLite and MariaDB 20 s of faults, then heal and check."""
     seconds = {"postgresql": 25.0}.get(vendor(), 20.0)

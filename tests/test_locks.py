@@ -345,11 +345,18 @@ def _hold_row_lock(name: str, locked: threading.Event, release: threading.Event,
         connections.close_all()
 
 
+SESSION_SET = pytest.mark.no_pooler(
+    "a session SET applies to whichever pooled server connection it lands on (and stays there)"
+)
+
+
 @pytest.mark.parametrize(
     ("vendor", "set_limit", "reset_limit"),
     [
-        ("postgresql", "SET lock_timeout = '100ms'", "RESET lock_timeout"),
-        ("postgresql", "SET statement_timeout = '100ms'", "RESET statement_timeout"),
+        pytest.param("postgresql", "SET lock_timeout = '100ms'", "RESET lock_timeout",
+                     marks=SESSION_SET),
+        pytest.param("postgresql", "SET statement_timeout = '100ms'", "RESET statement_timeout",
+                     marks=SESSION_SET),
         ("mysql", "SET SESSION innodb_lock_wait_timeout = 1",
          "SET SESSION innodb_lock_wait_timeout = DEFAULT"),
     ],

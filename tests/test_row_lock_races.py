@@ -97,11 +97,8 @@ class Contender(threading.Thread):
     def run(self) -> None:
         try:
             connection = connections["default"]
-            with connection.cursor() as cursor:
-                if connection.vendor == "postgresql":
-                    cursor.execute("SELECT pg_backend_pid()")
-                    self.session = cursor.fetchone()[0]
-                elif connection.vendor == "mysql":
+            if connection.vendor == "mysql":
+                with connection.cursor() as cursor:
                     cursor.execute("SELECT CONNECTION_ID()")
                     self.session = cursor.fetchone()[0]
             self.began = time.monotonic()
@@ -121,9 +118,13 @@ class Contender(threading.Thread):
             return True
         with connection.cursor() as cursor:
             if connection.vendor == "postgresql":
+                # By the statement, not by a backend pid read before it: behind a
+                # transaction pooler (the PgBouncer pass) each statement may run on another
+                # server session. Only the contender waits for a row here.
                 cursor.execute(
-                    "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
-                    [self.session],
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE %s",
+                    ["%distlock%"],
                 )
             else:
                 cursor.execute(

@@ -44,7 +44,11 @@ def _registered(raw, pid: int) -> bool:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("wakeups", [True, False], ids=["wakeups", "polling"])
+@pytest.mark.parametrize("wakeups", [
+    pytest.param(True, id="wakeups", marks=pytest.mark.no_pooler(
+        "DISTLOCK_WAKEUPS = True: the waiter's LISTEN needs a session of its own")),
+    pytest.param(False, id="polling"),
+])
 def test_release_wakes_the_waiter_at_once(children, wakeups):
     holder = acquire("wake", ttl=60)
     waiter = children.start("wait_for", "wake", 30.0, 60.0, POLL, wakeups, True)
@@ -71,6 +75,7 @@ def test_release_wakes_the_waiter_at_once(children, wakeups):
     assert waiter.finish() == 0
 
 
+@pytest.mark.no_pooler("plays a waiter by hand: LISTEN and a session advisory lock")
 def test_release_notifies_only_when_someone_waits():
     """No NOTIFY (and its commit-time serialization) for an uncontended release."""
     raw = _raw()
