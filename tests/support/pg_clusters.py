@@ -268,6 +268,8 @@ def django_env(url: str, **databases: Any) -> dict[str, str]:
         "DISTLOCK_TEST_POSTGRES": url,
         "DISTLOCK_TEST_CHILD_DB": DATABASE,
         "DISTLOCK_TEST_DB_SETTINGS": json.dumps(databases) if databases else "",
+        # Straight to the private server, even from a pass through PgBouncer.
+        "DISTLOCK_TEST_PGBOUNCER": "",
         "PYTHONPATH": str(ROOT),
     }
     return env
