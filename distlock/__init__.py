@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         alocked,
         apurge_locks,
     )
+    from distlock.failover import raise_tokens
     from distlock.leases import Lease
     from distlock.locks import (
         acquire,
@@ -55,6 +56,7 @@ __all__ = [
     "lock",
     "locked",
     "purge_locks",
+    "raise_tokens",
 ]
 
 _LAZY = {
@@ -70,6 +72,7 @@ _LAZY = {
     "lock": "distlock.locks",
     "locked": "distlock.locks",
     "purge_locks": "distlock.locks",
+    "raise_tokens": "distlock.failover",
 }
 
 

@@ -8,11 +8,14 @@ the settings docs/deployment.md gives for that case, and tests/conftest.py prove
 end that nothing was left on a pooled server connection.
 
 Child processes spawned by tests (tests/support/processes.py) get DISTLOCK_TEST_CHILD_DB, the name
-of the test database the parent created, and use it as it is.
+of the test database the parent created, and use it as it is. DISTLOCK_TEST_DB_SETTINGS (a JSON
+object) replaces keys of the default database's settings where a URL cannot say them: the
+failover tests (tests/support/pg_clusters.py) give a HOST and PORT list and OPTIONS.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from importlib.util import find_spec
 from pathlib import Path
@@ -84,6 +87,8 @@ if PGBOUNCER:
 
 if CHILD_DB:
     default["NAME"] = CHILD_DB
+if os.environ.get("DISTLOCK_TEST_DB_SETTINGS"):
+    default.update(json.loads(os.environ["DISTLOCK_TEST_DB_SETTINGS"]))
 
 DATABASES = {
     "default": default,

@@ -13,12 +13,25 @@ import pytest
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
+from django.db import connection, transaction
 
-from distlock import LockLost, acquire
+from distlock import (
+    LockLost,
+    StaleToken,
+    TokenExhausted,
+    TransactionNotAllowed,
+    acquire,
+    purge_locks,
+    raise_tokens,
+)
+from distlock.constants import MAX_TOKEN
 from distlock.db import db_now_us
+from distlock.failover import RaisedTokens
 from distlock.management.commands.distlock_doctor import independence
-from distlock.models import Lock, LockEvent
+from distlock.models import Lock, LockEvent, TokenFloor
+from distlock.signals import lock_broken
+from tests.factories import AccountFactory
+from tests.support.helpers import expired_lock, us
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -217,6 +230,129 @@ def test_purge_bad_retention_setting_is_a_command_error(settings):
     assert Lock.objects.count() == 2
 
 
+# --- distlock_failover --------------------------------------------------------------
+
+
+def floor_and_tokens() -> tuple[int | None, list[tuple[str, int, str, int | None]]]:
+    floor = TokenFloor.objects.values_list("token", flat=True).first()
+    return floor, list(Lock.objects.order_by("name").values_list(
+        "name", "token", "owner", "expires_us"))
+
+
+def test_failover_raises_every_token_and_the_floor_and_ends_every_lease(settings):
+    settings.DISTLOCK_AUDIT = True
+    broken = []
+    lock_broken.connect(receiver := lambda **kw: broken.append(kw), weak=False)
+    try:
+        account = AccountFactory(pk=7)
+        held = acquire("account:7", ttl=30)
+        expired = expired_lock("fo:expired")
+        free = acquire("fo:free", ttl=30)
+        free.release()
+        top = max(held.token, expired.token, free.token)
+        out = run("distlock_failover", "--margin", "1000")
+    finally:
+        lock_broken.disconnect(receiver)
+    assert (f"Raised the token of 3 lock row(s) and the token floor to {top + 1000} (largest "
+            f"token before: {top}, margin 1000); ended 1 held lease(s).") in out
+    assert f"ended 'account:7' (token {held.token}" in out
+    floor, rows = floor_and_tokens()
+    assert floor == top + 1000
+    assert {(name, token, owner) for name, token, owner, _ in rows} == {
+        ("account:7", top + 1000, ""), ("fo:expired", top + 1000, ""),
+        ("fo:free", top + 1000, ""),
+    }
+    # The held lease ended at the step, by the database clock; the others keep their times.
+    expires = {name: expires_us for name, _, _, expires_us in rows}
+    assert expires["fo:free"] == us(free.released_at)
+    assert expires["fo:expired"] == us(expired.expires_at)
+    assert us(held.acquired_at) < expires["account:7"] < us(held.expires_at)
+    assert [(b["name"], b["token"], b["owner"]) for b in broken] == [
+        ("account:7", held.token, held.owner)]
+    assert broken[0]["by"].startswith("manage.py distlock_failover (")
+    event = LockEvent.objects.get(name="account:7", kind="broken")
+    assert event.by.startswith("manage.py distlock_failover (")
+    # The old lease is refused everywhere; every new grant starts above the new floor.
+    account.balance = 5
+    with pytest.raises(StaleToken):
+        account.save(fence=held)
+    with pytest.raises(LockLost):
+        held.renew()
+    assert held.release() is False
+    assert acquire("account:7", ttl=30, blocking=False).token == top + 1001
+    assert acquire("fo:brand-new", ttl=30).token == top + 1001
+
+
+def test_failover_starts_above_purged_tokens():
+    acquire("fo:low", ttl=30).release()
+    purged = acquire("fo:purged", ttl=30)
+    for _ in range(5):
+        purged.release()
+        purged = acquire("fo:purged", ttl=30)
+    purged.release()
+    assert purge_locks(idle=0) == 2
+    # The table is empty now; the floor remembers token 6.
+    assert "largest token before: 6" in run("distlock_failover", "--margin", "10")
+    assert acquire("fo:low", ttl=30).token == 17
+
+
+def test_failover_default_margin_and_an_empty_table():
+    assert "token floor to 1000000000 (largest token before: 0" in run("distlock_failover")
+    assert acquire("first", ttl=30).token == 1_000_000_001
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--margin", "many"], "--margin: 'many' is not a whole number"),
+        (["--margin", ""], "--margin: '' is not a whole number"),
+        (["--margin", "1.5"], "--margin: '1.5' is not a whole number"),
+        (["--margin", "0"], "--margin: margin must be between 1 and"),
+        (["--margin", "-3"], "--margin: margin must be between 1 and"),
+        (["--margin", str(2**63)], "--margin: margin must be between 1 and"),
+        (["--margin", str(2**63 - 1)], "would pass 9223372036854775807"),
+        (["--database", "elsewhere"], "not an alias"),
+    ],
+)
+def test_failover_bad_input_changes_nothing(args, message):
+    held = acquire("busy", ttl=60)
+    acquire("idle", ttl=30).release()
+    before = floor_and_tokens()
+    with pytest.raises(CommandError, match=message):
+        run("distlock_failover", *args)
+    assert floor_and_tokens() == before
+    assert held.release() is True
+
+
+def test_failover_up_to_the_last_token_and_not_past_it():
+    acquire("near", ttl=30).release()
+    Lock.objects.filter(name="near").update(token=MAX_TOKEN - 10)
+    before = floor_and_tokens()
+    with pytest.raises(CommandError, match="would pass"):
+        run("distlock_failover", "--margin", "11")
+    assert floor_and_tokens() == before
+    run("distlock_failover", "--margin", "10")
+    assert floor_and_tokens()[0] == MAX_TOKEN
+    with pytest.raises(TokenExhausted):
+        acquire("near", ttl=5, blocking=False)
+
+
+def test_raise_tokens_checks_its_arguments_and_refuses_inside_atomic():
+    acquire("x", ttl=30).release()
+    before = floor_and_tokens()
+    for margin, error in ((True, TypeError), (1.5, TypeError), ("9", TypeError),
+                          (0, ValueError), (MAX_TOKEN + 1, ValueError)):
+        with pytest.raises(error, match="margin must be"):
+            raise_tokens(margin=margin)
+    with pytest.raises(TypeError, match="by must be a str"):
+        raise_tokens(margin=5, by=None)
+    with transaction.atomic(), pytest.raises(TransactionNotAllowed):
+        raise_tokens(margin=5)
+    assert floor_and_tokens() == before
+    assert raise_tokens(margin=5) == RaisedTokens(
+        previous=before[1][0][1], floor=before[1][0][1] + 5, rows=1, ended=())
+
+
 # --- distlock_doctor ----------------------------------------------------------------
 
 
@@ -346,6 +482,7 @@ def test_command_exit_status_from_a_real_process():
         (["distlock_purge", "--idle", "99999999999999999999d"], "--idle: '99999999999999999999d'"
          " is too long"),
         (["distlock_doctor", "--max-skew", "soon"], "--max-skew: 'soon' is not a number"),
+        (["distlock_failover", "--margin", "abc"], "--margin: 'abc' is not a whole number"),
     ],
 )
 def test_bad_numbers_exit_1_with_a_message_from_a_real_process(args, message):

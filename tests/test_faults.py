@@ -20,28 +20,22 @@ What must hold (DESIGN invariant 8, anchors-reliability.md S5–S7):
 
 Runs in the PostgreSQL pass of the suite (DISTLOCK_TEST_BACKEND=postgresql), or with
 DISTLOCK_TEST_FAULTS=1; needs the PostgreSQL server binaries (DISTLOCK_PG_BIN, default:
-the newest /usr/lib/postgresql/*/bin).
+the newest /usr/lib/postgresql/*/bin); the server is tests/support/pg_clusters.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
-import pwd
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.support.helpers import wait_until
-from tests.support.processes import ROOT, Child, Children
+from tests.support.pg_clusters import Server, Unavailable
+from tests.support.processes import Child, Children
 
 pytestmark = [
     pytest.mark.slow,
@@ -62,136 +56,9 @@ if not WANTED:
 
 psycopg = pytest.importorskip("psycopg")
 
-
-def pg_bin() -> Path:
-    if os.environ.get("DISTLOCK_PG_BIN"):
-        return Path(os.environ["DISTLOCK_PG_BIN"])
-    found = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name)
-    )
-    if not found:
-        pytest.skip("PostgreSQL server binaries not found (set DISTLOCK_PG_BIN)")
-    return Path(found[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Server:
-    """A throw-away PostgreSQL cluster on 127.0.0.1:<port>, database ``distlock``."""
-
-    def __init__(self) -> None:
-        self.bin = pg_bin()
-        self.dir = Path(tempfile.mkdtemp(prefix="distlock-pg-"))
-        self.data = self.dir / "data"
-        self.log = self.dir / "server.log"
-        self.port = free_port()
-        self.user: str | None = None
-        if os.geteuid() == 0:
-            try:
-                account = pwd.getpwnam("postgres")
-            except KeyError:
-                pytest.skip("running as root and there is no postgres user for initdb")
-            self.user = "postgres"
-            os.chown(self.dir, account.pw_uid, account.pw_gid)
-
-    def command(self, *args: str, timeout: float = 120) -> None:
-        program = [str(self.bin / args[0]), *args[1:]]
-        if self.user:
-            program = ["runuser", "-u", self.user, "--", *program]
-        done = subprocess.run(program, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-                f"\n{self.log.read_text() if self.log.exists() else ''}"
-            )
-
-    def start(self) -> None:
-        self.command(
-            "initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-            "--no-sync", "--locale=C",
-        )
-        with open(self.data / "postgresql.conf", "a") as conf:
-            conf.write(
-                f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
-                f"unix_socket_directories = '{self.dir}'\n"
-                "fsync = off\nmax_connections = 50\nshared_buffers = 16MB\n"
-                # The server-side net under a partition (S5): an open transaction whose
-                # client went silent is ended, and its row locks with it.
-                "idle_in_transaction_session_timeout = '3s'\n"
-            )
-        self.pg_ctl("start")
-        with self.connect("postgres") as admin:
-            admin.execute("CREATE DATABASE distlock")
-
-    def pg_ctl(self, action: str, *extra: str) -> None:
-        self.command("pg_ctl", action, "-D", str(self.data), "-l", str(self.log), "-w",
-                     "-t", "60", *extra)
-
-    def restart(self, mode: str) -> None:
-        self.pg_ctl("restart", "-m", mode)
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.pg_ctl("stop", "-m", "immediate")
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def url(self, port: int | None = None) -> str:
-        return f"postgresql://postgres@127.0.0.1:{port or self.port}/distlock"
-
-    def connect(self, dbname: str = "distlock"):
-        return psycopg.connect(
-            host="127.0.0.1", port=self.port, user="postgres", dbname=dbname,
-            autocommit=True, connect_timeout=10,
-        )
-
-    def query(self, sql: str, params: list | None = None) -> list[tuple]:
-        with self.connect() as connection, connection.cursor() as cursor:
-            cursor.execute(sql, params or [])
-            return cursor.fetchall() if cursor.description else []
-
-    def env(self, port: int | None = None) -> dict[str, str]:
-        """Environment of a Django process that uses this server (or a proxy to it)."""
-        return {
-            "DJANGO_SETTINGS_MODULE": "tests.settings",
-            "DISTLOCK_TEST_BACKEND": "postgresql",
-            "DISTLOCK_TEST_POSTGRES": self.url(port),
-            "DISTLOCK_TEST_CHILD_DB": "distlock",
-            "PYTHONPATH": str(ROOT),
-        }
-
-    def migrate(self) -> None:
-        done = subprocess.run(
-            [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
-            capture_output=True, text=True, timeout=300, cwd=ROOT,
-            env={**os.environ, **self.env()},
-        )
-        assert done.returncode == 0, done.stderr
-
-    def lock_row(self, name: str) -> dict | None:
-        found = self.query(
-            "SELECT token, owner, acquired_us, expires_us, "
-            "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT) "
-            "FROM distlock_lock WHERE name = %s", [name],
-        )
-        if not found:
-            return None
-        token, owner, acquired_us, expires_us, now_us = found[0]
-        return {"token": token, "owner": owner, "acquired_us": acquired_us,
-                "expires_us": expires_us, "now_us": now_us}
-
-    def backend(self, label: str, **state: str) -> int | None:
-        """The pid of agent ``label``'s backend, optionally only in a given wait state."""
-        where = " AND ".join(f"{key} = %s" for key in state)
-        found = self.query(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
-            + (f" AND {where}" if where else ""),
-            [f"distlock-worker-agent-{label}", *state.values()],
-        )
-        return found[0][0] if found else None
+# The server-side net under a partition (S5): an open transaction whose client went silent
+# is ended, and its row locks with it.
+SETTINGS = "idle_in_transaction_session_timeout = '3s'\n"
 
 
 class Proxy:
@@ -267,7 +134,10 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    pg = Server()
+    try:
+        pg = Server(SETTINGS)
+    except Unavailable as exc:
+        pytest.skip(str(exc))
     try:
         pg.start()
         pg.migrate()

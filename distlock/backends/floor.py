@@ -2,7 +2,9 @@
 
 New lock rows start one above the floor (``distlock_floor``, one row), which purge raises
 to the largest token it deletes, in the deleting transaction — O(1) per first use, where
-reading the lock table's largest token scanned it. Portable SQL, a base of
+reading the lock table's largest token scanned it. After a failover to a standby that
+missed the last commits, :meth:`TokenFloorSQL.raise_tokens` lifts the floor and every
+lock row above every token the lost primary can have issued. Portable SQL, a base of
 :class:`~distlock.backends.base.Backend`; kept apart because it is one concern of its own.
 """
 
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from distlock.constants import FLOOR_ID, FLOOR_TABLE
+from distlock.constants import FLOOR_ID, FLOOR_TABLE, MAX_TOKEN
 from distlock.constants import LOCK_TABLE as TABLE
+from distlock.exceptions import TokenExhausted
 
 
 class TokenFloorSQL:
@@ -97,3 +100,51 @@ class TokenFloorSQL:
                 f"UPDATE {FLOOR_TABLE} SET token = %s WHERE id = %s", [top, FLOOR_ID]
             )
         return len(doomed), last
+
+    def raise_tokens(
+        self, cursor: Any, margin: int
+    ) -> tuple[int, int, int, list[tuple[str, str, int, str]]]:
+        """Set every lock row's token and the floor to ``top + margin``, where ``top`` is
+        the largest token of the table and the floor; end every lease.
+
+        Returns (top, the new floor, rows changed, the leases ended as (name, owner,
+        token, holder)). Every grant from then on — of a name with a row (its token + 1)
+        or of a new one (the floor + 1) — is above ``top + margin``. Any token the lost
+        primary issued is at most ``top`` plus the grants it made that this database never
+        received, however they chained through purges and first uses: each grant adds one
+        to a token that was there before. So a margin above that count closes the gap.
+
+        Leases are ended because none can be trusted: the lost primary may have released
+        one, or let it expire and granted the name again, after what this database shows.
+        The floor is locked before any lock row, as in every transaction that takes both,
+        so first uses wait for the step; grants of existing rows that slip in before the
+        UPDATE reaches their row are overwritten by it (their leases ended too). Raises
+        TokenExhausted, changing nothing, if ``top + margin`` would pass MAX_TOKEN.
+        """
+        floor = self.floor(cursor, self.for_update)
+        cursor.execute(f"SELECT COALESCE(MAX(token), 0) FROM {TABLE}", [])
+        top = max(floor, int(cursor.fetchone()[0]))
+        if top > MAX_TOKEN - margin:
+            raise TokenExhausted(
+                f"raising the fencing tokens by {margin} would pass {MAX_TOKEN} (the largest "
+                f"token so far is {top}); nothing was changed"
+            )
+        now = self.now_sql()
+        held = f"owner <> '' AND expires_us > {now}"
+        cursor.execute(
+            f"SELECT name, owner, token, holder FROM {TABLE} WHERE {held}{self.for_update}",
+            [],
+        )
+        ended = [(str(n), str(o), int(t), str(h)) for n, o, t, h in cursor.fetchall()]
+        # expires_us first: MariaDB/MySQL evaluate SET from left to right, so a CASE after
+        # ``owner = ''`` would see the owner already cleared.
+        cursor.execute(
+            f"UPDATE {TABLE} SET expires_us = CASE WHEN {held} THEN {now} "
+            "ELSE expires_us END, token = %s, owner = '', holder = ''",
+            [top + margin],
+        )
+        changed = int(cursor.rowcount)
+        cursor.execute(
+            f"UPDATE {FLOOR_TABLE} SET token = %s WHERE id = %s", [top + margin, FLOOR_ID]
+        )
+        return top, top + margin, changed, ended

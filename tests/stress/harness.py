@@ -103,8 +103,10 @@ _COLUMNS = f"INSERT INTO {HISTORY} (name, kind, token, owner, at_us, expires_us)
 _GRANT = _COLUMNS + "(NEW.name, 'grant', NEW.token, NEW.owner, NEW.acquired_us, NEW.expires_us)"
 _END = _COLUMNS + "(NEW.name, 'end', OLD.token, OLD.owner, NEW.expires_us, OLD.expires_us)"
 _RENEW = _COLUMNS + "(NEW.name, 'renew', NEW.token, NEW.owner, NEW.renewed_us, NEW.expires_us)"
-_IS_GRANT = "NEW.token <> OLD.token"
-_IS_END = "NEW.token = OLD.token AND OLD.owner <> '' AND NEW.owner = ''"
+# A token change that leaves the row free is no grant: it is distlock_failover raising the
+# tokens, which ends the lease the row had (if any).
+_IS_GRANT = "NEW.token <> OLD.token AND NEW.owner <> ''"
+_IS_END = "OLD.owner <> '' AND NEW.owner = ''"
 _IS_RENEW = "NEW.token = OLD.token AND NEW.owner <> '' AND NEW.expires_us <> OLD.expires_us"
 
 _TRIGGERS = {
@@ -157,10 +159,15 @@ _DROP = {
 }
 
 
+def trigger_statements(vendor: str) -> list[str]:
+    """The statements that (re)install the history triggers on a ``vendor`` database."""
+    return _DROP[vendor] + _TRIGGERS[vendor]
+
+
 def install_triggers(alias: str = "default") -> None:
     connection = connections[alias]
     with connection.cursor() as cursor:
-        for statement in _DROP[connection.vendor] + _TRIGGERS[connection.vendor]:
+        for statement in trigger_statements(connection.vendor):
             cursor.execute(statement)
 
 
@@ -201,8 +208,16 @@ def prepare(profile: Profile, alias: str = "default") -> None:
 class Workers:
     """The worker processes of a run, each writing its history to its own file."""
 
-    def __init__(self, profile: Profile, seed: int, directory: Path, vendor: str) -> None:
+    def __init__(
+        self, profile: Profile, seed: int, directory: Path, vendor: str,
+        env: dict[str, str] | None = None, pause_after_error: float = 0.0,
+    ) -> None:
+        """``env``: variables that replace the workers' own (another database server);
+        ``pause_after_error``: how long a worker waits after a failed call before its
+        next one, as a real client backs off while its server is down."""
         self.profile = profile
+        self.env = env or {}
+        self.pause_after_error = pause_after_error
         self.directory = directory
         self.stop_path = directory / "stop"
         self.rng = random.Random(seed)
@@ -228,7 +243,7 @@ class Workers:
         args = [
             worker, self.profile.names(), self.profile.ttl, self.rng.randrange(2**32),
             str(self.stop_path), self.profile.fencing, self.profile.weak_clock,
-            self.profile.fault_seconds + 120,
+            self.profile.fault_seconds + 120, self.pause_after_error,
         ]
         env = {
             **os.environ,
@@ -236,6 +251,7 @@ class Workers:
             "DISTLOCK_TEST_CHILD_DB": str(connections["default"].settings_dict["NAME"]),
             "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1",
+            **self.env,
         }
         skew = self.skew(slot)
         if skew:

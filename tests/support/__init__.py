@@ -6,4 +6,6 @@
   and the program they run; ``fencing_workers`` and ``stress_workers`` hold their roles.
 * ``celery_app`` and ``celery_workers`` — the Celery app of the Celery tests and the real
   ``celery worker`` processes that run it.
+* ``pg_clusters`` — private PostgreSQL servers (one, or a primary and a streaming standby)
+  for the fault and failover tests.
 """

@@ -117,7 +117,8 @@ def write(lease: Any, name: str, read_value: int, op_id: str, worker: str,
 
 
 def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
-        fencing: bool = True, weak_clock: bool = False, limit: float = 600.0) -> None:
+        fencing: bool = True, weak_clock: bool = False, limit: float = 600.0,
+        pause_after_error: float = 0.0) -> None:
     import django.db
     from django.db import DatabaseError, connections
 
@@ -148,6 +149,9 @@ def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
             connection = connections[alias]
             if connection.connection is not None and not connection.is_usable():
                 connection.close()
+        # A client's back-off while its server is down (a failover): not a hot loop of
+        # connection attempts.
+        time.sleep(pause_after_error)
 
     while not os.path.exists(stop_path) and time.monotonic() < give_up:
         ops += 1
