@@ -16,6 +16,11 @@ The same guarantees as the sync API, because it is the sync API's steps
 - **Waiting never blocks the loop**: between tries a coroutine awaits its back-off pause
   or, on PostgreSQL, a release's notification through the loop's one shared LISTEN
   connection (:mod:`distlock.async_wakeups`). Waiting costs no thread and no connection.
+- **One try at a time per name in each event loop**: the coroutines of a loop waiting for
+  one name take turns (FIFO) to send a try. Outside a request all of a loop's
+  thread-sensitive calls share one thread, and 200 waiters polling on their own would
+  queue hundreds of refused tries there, ahead of the holder's release
+  (``benchmarks/async_api.py`` measured the stall: docs/performance.md).
 - **Cancellation** (``asyncio.timeout``, ``task.cancel()``) while waiting leaves nothing
   behind: if a try was in flight, it finishes in its thread and a grant it made is
   released before the CancelledError goes on. Cancellation while holding an ``alock``
@@ -29,7 +34,8 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AsyncContextDecorator
 from datetime import timedelta
 from types import TracebackType
@@ -49,6 +55,36 @@ P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+class _Turns:
+    """The coroutines of one loop trying one name, one try at a time."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+_turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], _Turns]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@contextlib.asynccontextmanager
+async def _my_turn(request: Request) -> AsyncIterator[None]:
+    per_loop = _turns.setdefault(asyncio.get_running_loop(), {})
+    key = (request.alias, request.name)
+    turns = per_loop.get(key)
+    if turns is None:
+        turns = per_loop[key] = _Turns()
+    turns.users += 1
+    try:
+        async with turns.lock:
+            yield
+    finally:
+        turns.users -= 1
+        if turns.users == 0 and per_loop.get(key) is turns:
+            del per_loop[key]
 
 
 def _attempt(request: Request) -> Lease | Busy:
@@ -116,7 +152,8 @@ async def aacquire(
     waiter: AsyncWaiter | None = None
     try:
         while True:
-            result = await _try_or_give_back(request)
+            async with _my_turn(request):
+                result = await _try_or_give_back(request)
             if isinstance(result, Lease):
                 break
             left = None if give_up is None else give_up - time.monotonic()
