@@ -44,7 +44,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, process_time
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,6 +57,8 @@ from benchmarks.harness import jain, percentile  # noqa: E402
 BACKENDS = ("postgresql", "mariadb", "sqlite")
 TITLES = {"postgresql": "PostgreSQL", "mariadb": "MariaDB", "sqlite": "SQLite"}
 OWN, ONE = "own", "one name"
+# Where in the window the thread count is read (the last: the window's end, for the CPU).
+SAMPLES = (0.5, 0.95, 1.0)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Result:
     p99_us: float
     threads: int  # the process's threads, the most seen in the window
     jain: float  # fairness of grants over workers (1.0 = equal)
+    cpu_us: float  # the process's CPU (user + system, all threads) per counted cycle
 
 
 @dataclass
@@ -107,7 +110,8 @@ def _window(cycle: Any, scenario: str, end: float) -> tuple[list[float], int]:
         latencies.append((granted if scenario == ONE else done) - began)
 
 
-def _summary(reports: list[tuple[list[float], int]], seconds: float, threads: int) -> Result:
+def _summary(reports: list[tuple[list[float], int]], seconds: float, threads: int,
+             cpu: float) -> Result:
     latencies = [x for got, _ in reports for x in got]
     if not latencies:
         raise RuntimeError("no cycle ended inside the window")
@@ -117,6 +121,7 @@ def _summary(reports: list[tuple[list[float], int]], seconds: float, threads: in
         p99_us=percentile(latencies, 0.99) * 1e6,
         threads=threads,
         jain=jain([float(n) for _, n in reports]),
+        cpu_us=cpu / max(1, sum(n for _, n in reports)) * 1e6,
     )
 
 
@@ -150,12 +155,14 @@ def in_threads(design: d.Design, scenario: str, workers: int, seconds: float,
     threads = [threading.Thread(target=body, args=(i,)) for i in range(workers)]
     for thread in threads:
         thread.start()
-    seen = 0
+    seen, cpu = 0, 0.0
     try:
         barrier.wait()
-        for at in (0.5, 0.95):
+        cpu = -process_time()
+        for at in SAMPLES:
             time.sleep(max(0.0, clock["end"] - seconds * (1 - at) - perf_counter()))
             seen = max(seen, _threads())
+        cpu += process_time()
     except threading.BrokenBarrierError:
         pass
     for thread in threads:
@@ -163,7 +170,7 @@ def in_threads(design: d.Design, scenario: str, workers: int, seconds: float,
     failed = [r for r in reports if isinstance(r, str)]
     if failed:
         raise RuntimeError(failed[0])
-    return _summary(reports, seconds, seen)
+    return _summary(reports, seconds, seen, cpu)
 
 
 async def in_loop(design: d.Design, scenario: str, workers: int, seconds: float,
@@ -201,14 +208,15 @@ async def in_loop(design: d.Design, scenario: str, workers: int, seconds: float,
             await asyncio.gather(*tasks)
         clock["end"] = perf_counter() + seconds
         go.set()
-        seen = 0
-        for at in (0.5, 0.95):
+        seen, cpu = 0, -process_time()
+        for at in SAMPLES:
             await asyncio.sleep(max(0.0, clock["end"] - seconds * (1 - at) - perf_counter()))
             seen = max(seen, _threads())
+        cpu += process_time()
         reports = await asyncio.gather(*tasks)
     finally:
         await design.stop()
-    return _summary(list(reports), seconds, seen)
+    return _summary(list(reports), seconds, seen, cpu)
 
 
 def _child(design: d.Design, scenario: str, workers: int, seconds: float, warmup: float,
@@ -280,7 +288,8 @@ def _n(value: float) -> str:
 
 
 def table(title: str, rows: list[Row]) -> str:
-    head = [title, "own names: cycles/s", "× sync", "cycle p50 / p99 µs", "threads",
+    head = [title, "own names: cycles/s", "× sync", "cycle p50 / p99 µs", "CPU µs/cycle",
+            "threads",
             "one name: grants/s", "× sync", "wait-to-grant p50 / p99 µs", "Jain", "threads"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for row in rows:
@@ -288,14 +297,14 @@ def table(title: str, rows: list[Row]) -> str:
         for scenario in (OWN, ONE):
             runs = row.results.get(scenario)
             if not runs:
-                cells += ["–"] * (4 if scenario == OWN else 5)
+                cells += ["–"] * 5
                 continue
             cells += [_n(statistics.median(r.rate for r in runs)),
                       f"{ratio(rows, row, scenario):.2f}",
                       f"{_n(statistics.median(r.p50_us for r in runs))} / "
                       f"{_n(statistics.median(r.p99_us for r in runs))}"]
-            if scenario == ONE:
-                cells.append(f"{statistics.median(r.jain for r in runs):.2f}")
+            cells.append(_n(statistics.median(r.cpu_us for r in runs)) if scenario == OWN
+                         else f"{statistics.median(r.jain for r in runs):.2f}")
             cells.append(str(max(r.threads for r in runs)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
