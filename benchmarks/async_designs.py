@@ -87,7 +87,7 @@ def _granted(lease: Any, name: str) -> float:
 
 
 class SyncThreads(Design):
-    label = "sync API, threads"
+    label = "sync API"
     kind = "threads"
 
     def cycle(self, name: str, blocking: bool) -> float:
@@ -100,7 +100,7 @@ class SyncThreads(Design):
 
 
 class AsyncBuilt(Design):
-    label = "async API as built (thread-sensitive)"
+    label = "as built"
 
     async def acycle(self, name: str, blocking: bool) -> float:
         from distlock import aacquire
@@ -113,7 +113,7 @@ class AsyncBuilt(Design):
 
 
 class AsyncPerRequest(AsyncBuilt):
-    label = "async API as built, a ThreadSensitiveContext per coroutine (ASGI requests)"
+    label = "as built, a ThreadSensitiveContext each (ASGI requests)"
 
     @contextlib.asynccontextmanager
     async def worker_context(self) -> AsyncIterator[None]:
@@ -132,7 +132,7 @@ class AsyncPerRequest(AsyncBuilt):
 
 
 class AsyncThreadPool(AsyncBuilt):
-    label = f"sync_to_async(thread_sensitive=False): a pool of {THREAD_POOL} threads"
+    label = f"(i) thread_sensitive=False, pool of {THREAD_POOL}"
 
     async def start(self, workers: int) -> None:
         # Only in this measurement's child: the async API's sync layer, made
@@ -158,7 +158,7 @@ RELEASE_SQL = "SELECT held FROM distlock_release(%s, %s, %s::bigint, %s)"
 
 
 class NativePsycopg(Design):
-    label = f"native psycopg AsyncConnection pool (≤ {NATIVE_POOL}), server functions"
+    label = f"(ii) native psycopg, ≤ {NATIVE_POOL} AsyncConnections"
     vendors = frozenset({"postgresql"})
 
     def __init__(self, alias: str, conninfo: str) -> None:
