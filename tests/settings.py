@@ -97,6 +97,8 @@ DATABASES = {
 }
 
 SECRET_KEY = "distlock-tests"
+# The ASGI server of tests/test_asgi.py runs with these settings and DEBUG off.
+ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 USE_TZ = True
 INSTALLED_APPS = [
     "django.contrib.auth",
@@ -111,6 +113,8 @@ INSTALLED_APPS = [
     "tests.stressapp",
     # Django Tasks (tests/test_tasks.py): the database backend its db_worker runs.
     "django_tasks_db",
+    # The demo's account and its async view (tests/test_asgi.py serves it).
+    "demo_project.bank",
 ]
 # Django 6 has the Tasks framework built in; on 5.2 it is the django-tasks backport.
 TASKS_FRAMEWORK = "django.tasks" if find_spec("django.tasks") else "django_tasks"

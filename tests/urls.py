@@ -5,7 +5,7 @@ from typing import Any
 
 from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
-from django.urls import path
+from django.urls import include, path
 
 # The seam matrix (tests/test_seams.py) runs a cell's body inside this view, so that it
 # runs under ATOMIC_REQUESTS the way a site's own view would.
@@ -20,4 +20,8 @@ def seam_view(request: HttpRequest) -> HttpResponse:
     return HttpResponse("done")
 
 
-urlpatterns = [path("admin/", admin.site.urls), path("seam/", seam_view)]
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("seam/", seam_view),
+    path("bank/", include("demo_project.bank.urls")),
+]
