@@ -10,9 +10,10 @@ The same guarantees as the sync API, because it is the sync API's steps
   never joins the caller's transaction; a fenced write's open row lock defers a
   release), and the lock's signals and audit rows are written off the event loop. The
   alternatives were measured (``benchmarks/async_api.py``; docs/performance.md): a
-  thread-*insensitive* pool and a native psycopg ``AsyncConnection`` buy throughput only
-  for many coroutines on *different* names in one process outside a request, and lose
-  those guarantees or the other databases.
+  thread-*insensitive* pool runs the operation on another connection than the caller's,
+  where those checks look at the wrong state; a native psycopg ``AsyncConnection`` makes
+  no thread hop (faster for one coroutine, and for many on different names outside a
+  request) but exists for PostgreSQL only and bypasses the checks, signals and audit.
 - **Waiting never blocks the loop**: between tries a coroutine awaits its back-off pause
   or, on PostgreSQL, a release's notification through the loop's one shared LISTEN
   connection (:mod:`distlock.async_wakeups`). Waiting costs no thread and no connection.
