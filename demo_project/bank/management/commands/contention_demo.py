@@ -50,6 +50,11 @@ class Command(BaseCommand):
         "past their lease, in fenced and unfenced modes, and report the lost updates."
     )
 
+    # The system checks run in handle(), after the options are checked: on Django 6.x a
+    # check run opens the database (creating a SQLite file), and a bad option must be
+    # refused before anything is touched.
+    requires_system_checks: list[str] = []
+
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--workers", type=int, default=3, help="worker processes (>= 2)")
         parser.add_argument("--tasks", type=int, default=12, help="deposits per mode (>= 2)")
@@ -92,6 +97,7 @@ class Command(BaseCommand):
                 "overtaken if another grant comes after it"
             )
         modes = list(MODES) if options["mode"] == "both" else [options["mode"]]
+        self.check()
         runner = options["runner"]
         if runner == "django-tasks" and "django_tasks_db" not in settings.INSTALLED_APPS:
             raise CommandError(
