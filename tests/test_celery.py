@@ -61,7 +61,7 @@ from tests.support.celery_app import (
 )
 from tests.support.celery_workers import Worker
 from tests.support.events import Events
-from tests.support.helpers import us
+from tests.support.helpers import assert_freed_by_release, released, us
 
 pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 
@@ -105,14 +105,6 @@ def drop_queue(queue: str) -> None:
 def key() -> str:
     return uuid.uuid4().hex[:12]
 
-
-def released(name: str, timeout: float = 10.0) -> Lock:
-    """The lock row once it is free: the tasks record "end" just before they release."""
-    deadline = time.monotonic() + timeout
-    while not (row := Lock.objects.get(name=name)).is_free:
-        assert time.monotonic() < deadline, f"{name} still held: {row.holder}"
-        time.sleep(0.05)
-    return row
 
 
 # --- without a worker: the decorator's contract --------------------------------------
@@ -409,13 +401,7 @@ def test_a_task_whose_body_raises_releases_its_lock_at_once(celery):
     failed = celery.events.wait(kind="failed", task_id=task_id)[0]
     assert failed["error"] == "RuntimeError" and "the body failed" in failed["message"]
     start = celery.events.all(kind="start", task_id=task_id)[0]
-    row = released(f"test:{k}")
-    assert row.token == start["token"]
-    # Freed by a release (it records the release time), 30 s before the ttl would have.
-    assert row.expires_us < start["expires_us"] - 20_000_000
-    following = acquire(f"test:{k}", ttl=30, blocking=False)
-    assert following is not None and following.token == start["token"] + 1
-    assert following.release() is True
+    assert_freed_by_release(f"test:{k}", start)
 
 
 def test_unbound_task_with_a_callable_name_sees_current_lease(celery):

@@ -32,7 +32,7 @@ from distlock.tasks import (
 )
 from tests.support import tasks
 from tests.support.events import Events
-from tests.support.helpers import us, wait_until
+from tests.support.helpers import assert_freed_by_release, released, us
 from tests.support.task_workers import DbWorker, start_workers
 from tests.testapp.models import Counter
 
@@ -52,11 +52,6 @@ def counter() -> str:
     Counter.objects.create(key=k)
     return k
 
-
-def released(name: str, timeout: float = 10.0) -> Lock:
-    """The lock row once it is free: the tasks record "end" just before they release."""
-    return wait_until(lambda: (row := Lock.objects.get(name=name)).is_free and row, timeout,
-                      f"{name} released")
 
 
 # --- in process, on the immediate backend: the decorator's contract -----------------------
@@ -362,13 +357,7 @@ def test_a_task_whose_body_raises_releases_its_lock_at_once(workers):
     outcome = workers.finished(task_id)
     assert outcome["status"] == FAILED and outcome["errors"] == ["builtins.RuntimeError"]
     start = workers.events.all(kind="start", task_id=task_id)[0]
-    row = released(f"counter:{k}")
-    assert row.token == start["token"]
-    # Freed by a release (it records the release time), 30 s before the ttl would have.
-    assert row.expires_us < start["expires_us"] - 20_000_000
-    following = acquire(f"counter:{k}", ttl=30, blocking=False)
-    assert following is not None and following.token == start["token"] + 1
-    assert following.release() is True
+    assert_freed_by_release(f"counter:{k}", start)
 
 
 def test_a_worker_paused_past_its_ttl_cannot_write_after_the_next_run_took_over(workers):

@@ -129,3 +129,25 @@ def run_async(make: Callable[[], Awaitable[T]], seconds: float = 60.0) -> T:
             await sync_to_async(connections.close_all)()
 
     return asyncio.run(main())
+
+
+def released(name: str, timeout: float = 10.0) -> Any:
+    """Lock ``name``'s row once it is free (a task records its end just before releasing)."""
+    from distlock.models import Lock
+
+    return wait_until(lambda: (row := Lock.objects.get(name=name)).is_free and row, timeout,
+                      f"{name} released")
+
+
+def assert_freed_by_release(name: str, start: dict[str, Any]) -> None:
+    """A task run that reported ``start`` (its grant) released lock ``name`` as it ended,
+    long before its ttl, and the next grant is the next token."""
+    from distlock import acquire
+
+    row = released(name)
+    assert row.token == start["token"]
+    # Freed by a release (it records the release time), 30 s before the ttl would have.
+    assert row.expires_us < start["expires_us"] - 20_000_000
+    following = acquire(name, ttl=30, blocking=False)
+    assert following is not None and following.token == start["token"] + 1
+    assert following.release() is True
