@@ -13,6 +13,7 @@ from typing import Any
 
 from django.apps import apps
 
+from tests.support.fencing_workers import obey
 from tests.support.helpers import run_async, us
 from tests.support.worker import command, emit, lease_data
 
@@ -42,7 +43,7 @@ def ahammer(name: str, coroutines: int, count: int, ttl: float, hold_ms: float) 
 def awriter(model_label: str, pk: Any, ttl: float) -> None:
     """The async twin of fencing_workers.writer: aacquire the row's lock, read the row,
     then obey check / write (``asave(fence=)``) / release / exit."""
-    from distlock import StaleToken, aacquire
+    from distlock import aacquire
 
     model = apps.get_model(model_label)
     obj = model._base_manager.get(pk=pk)
@@ -52,23 +53,5 @@ def awriter(model_label: str, pk: Any, ttl: float) -> None:
 
     lease = run_async(take)
     assert lease is not None
-    emit("acquired", **lease_data(lease))
-    while True:
-        order = command()
-        kind = order["command"]
-        if kind == "check":
-            lease.check()
-            emit("checked", remaining=lease.remaining())
-        elif kind == "write":
-            obj.note = order["note"]
-            obj.balance += 1
-            try:
-                run_async(lambda: obj.asave(fence=lease))
-            except StaleToken as exc:
-                emit("refused", message=str(exc), lost=lease.lost)
-            else:
-                emit("wrote", token=lease.token)
-        elif kind == "release":
-            emit("released", held=run_async(lease.arelease))
-        elif kind == "exit":
-            return
+    obey(lease, obj, lambda: run_async(lambda: obj.asave(fence=lease)),
+         lambda: run_async(lease.arelease))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from django.apps import apps
@@ -34,11 +35,19 @@ def writer(model_label: str, pk: Any, ttl: float) -> None:
     The row is read right after the grant (as a holder reads before it computes), so a
     "write" after a pause writes what the holder believed then.
     """
-    from distlock import StaleToken, acquire
+    from distlock import acquire
 
     obj = _load(model_label, pk)
     lease = acquire(obj.get_fence_name(), ttl=ttl, timeout=60)
     assert lease is not None
+    obey(lease, obj, lambda: obj.save(fence=lease), lease.release)
+
+
+def obey(lease: Any, obj: Any, save: Callable[[], object], release: Callable[[], bool]) -> None:
+    """The holder's commands after its grant: check, write (with ``save``), release (with
+    ``release``), exit. Shared by the sync writer and the async one (async_workers)."""
+    from distlock import StaleToken
+
     emit("acquired", **lease_data(lease))
     while True:
         order = command()
@@ -50,13 +59,13 @@ def writer(model_label: str, pk: Any, ttl: float) -> None:
             obj.note = order["note"]
             obj.balance += 1
             try:
-                obj.save(fence=lease)
+                save()
             except StaleToken as exc:
                 emit("refused", message=str(exc), lost=lease.lost)
             else:
                 emit("wrote", token=lease.token, db_us=_db_now_us())
         elif kind == "release":
-            emit("released", held=lease.release())
+            emit("released", held=release())
         elif kind == "exit":
             return
 
