@@ -15,7 +15,7 @@ from typing import Protocol
 from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 
-from distlock import db, signals, uncommitted
+from distlock import db, signals, uncommitted, wakeups
 from distlock.backends import backend_for
 from distlock.backends.base import Grant
 from distlock.conf import conf
@@ -190,6 +190,7 @@ class Lease:
 
     def _released_by_database(self, held: bool, released_us: int | None) -> None:
         self.released_at = from_us(released_us)
+        wakeups.poke(self.using, self.name)
         signals.lock_released.send(sender=Lease, lease=self, held=held)
 
     def _release_after(self, notes: list[uncommitted.Note]) -> bool:

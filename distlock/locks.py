@@ -15,7 +15,7 @@ from typing import Any, ParamSpec, TypeVar
 from asgiref.sync import iscoroutinefunction
 
 from distlock import db, grants, signals, uncommitted
-from distlock.backends.base import Grant
+from distlock.backends.base import Busy, Grant
 from distlock.constants import PURGE_BATCH
 from distlock.exceptions import LockTimeout
 from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
@@ -31,7 +31,7 @@ from distlock.validation import (
     check_ttl,
     check_using,
 )
-from distlock.wakeups import Waiter
+from distlock.wakeups import Turn, Waiter, has_queue, poke, queue_for
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -101,32 +101,57 @@ def acquire(
     request = Request(name, ttl, blocking, timeout, using, holder)
     uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
     give_up = None if request.wait is None else time.monotonic() + request.wait
-    attempt = 0
-    waiter: Waiter | None = None
-    try:
-        while True:
-            # The holder's clock starts before the request leaves, so its deadline is
-            # never later than the one the database computes.
-            started = time.monotonic()
-            result = grants.try_once(request)
-            if isinstance(result, Grant):
-                break
-            left = None if give_up is None else give_up - time.monotonic()
-            if not blocking or (left is not None and left <= 0):
+    # The holder's clock starts before the request leaves, so its deadline is never
+    # later than the one the database computes.
+    started = time.monotonic()
+    result: Grant | Busy | None = None
+    if not (blocking and has_queue(request.alias, request.name)):
+        result = grants.try_once(request)
+        if not blocking and isinstance(result, Busy):
+            return None
+    if not isinstance(result, Grant):
+        with queue_for(request.alias, request.name, give_up) as turn:
+            if turn is None:
                 return None
-            if waiter is None:
-                waiter = Waiter(request.alias, request.name)
-                if waiter.listening:
-                    continue  # freed before the LISTEN took effect? Look again at once.
-            waiter.wait(pause_before_retry(attempt, result, left))
-            attempt += 1
-    finally:
-        if waiter is not None:
-            waiter.stop()
+            granted = _wait_in_turn(request, give_up, turn, result if turn.waited == 0 else None)
+        if granted is None:
+            return None
+        started, result = granted
     lease = grant_lease(request, started, result)
     if auto_renew:
         lease.start_auto_renew(on_lost)
     return lease
+
+
+def _wait_in_turn(
+    request: Request, give_up: float | None, turn: Turn, busy: Busy | None
+) -> tuple[float, Grant] | None:
+    """Retry until granted or ``give_up``, as the first of this process's waiters for the
+    name; ``busy`` is the refusal just received, if nothing happened since."""
+    attempt = 0
+    waiter: Waiter | None = None
+    try:
+        while True:
+            if busy is None:
+                started = time.monotonic()
+                result = grants.try_once(request)
+                if isinstance(result, Grant):
+                    return started, result
+                busy = result
+            left = None if give_up is None else give_up - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            if waiter is None:
+                waiter = Waiter(request.alias, request.name, turn.freed)
+                if waiter.listening:
+                    busy = None
+                    continue  # freed before the LISTEN took effect? Look again at once.
+            waiter.wait(pause_before_retry(attempt, busy, left))
+            busy = None
+            attempt += 1
+    finally:
+        if waiter is not None:
+            waiter.stop()
 
 
 class LockBlock:
@@ -293,6 +318,7 @@ def break_lock(
     broken: tuple[str, int, str] | None = db.run(alias, "break_lock", name, owner, token)
     if broken is None:
         return False
+    poke(alias, name)
     signals.lock_broken.send(
         sender=None, name=name, owner=broken[0], token=broken[1], holder=broken[2],
         using=alias, by=by,

@@ -11,12 +11,23 @@ and the polling stays as the fallback: for expiry (nobody notifies when a holder
 and for anything that went wrong with a notification.
 
 Elsewhere (MariaDB, SQLite, psycopg 2, wake-ups off) waiting is a plain sleep.
+
+The threads of one process waiting for one name queue up (:func:`queue_for`): only the
+first in the queue listens and tries; the others wait in the process until it got the
+lock or gave up, and the next one takes its place. Without the queue every waiting thread
+listened on its own connection, so each release woke all of them and they raced with a
+try each (50 threads waiting on one PostgreSQL name ran at 0.20x of 8; docs/performance.md
+"Waiting in turns"). The queue also makes the hand-over first come, first served among a
+process's threads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from django.db import DatabaseError, connections
@@ -29,8 +40,9 @@ from distlock.conf import conf
 class Waiter:
     """The waiting of one blocking acquire of ``name`` on database ``alias``."""
 
-    def __init__(self, alias: str, name: str) -> None:
+    def __init__(self, alias: str, name: str, freed: threading.Event | None = None) -> None:
         self.alias = alias
+        self.freed = freed
         self.name = name
         self.connection = connections[alias]
         self.raw: Any = None
@@ -47,7 +59,11 @@ class Waiter:
     def wait(self, seconds: float) -> None:
         """Sleep up to ``seconds``; return early when the lock's release is announced."""
         if not self.listening:
-            time.sleep(seconds)
+            if self.freed is None:
+                time.sleep(seconds)
+            else:
+                self.freed.wait(seconds)
+                self.freed.clear()
             return
         self.backend.wait_for_wakeup(self.connection, seconds)
 
@@ -59,3 +75,89 @@ class Waiter:
             with contextlib.suppress(DatabaseError):
                 db.run(self.alias, "unlisten", self.name)
         self.raw = None
+
+
+class _Queue:
+    """The threads of this process waiting for one name, in the order they came."""
+
+    __slots__ = ("freed", "turns")
+
+    def __init__(self) -> None:
+        self.turns: deque[threading.Event] = deque()
+        # Set by a release or break of the name in this process (see poke()): the first
+        # waiter, when it polls, is then not left to sleep out its pause.
+        self.freed = threading.Event()
+
+
+class Turn:
+    """What :func:`queue_for` yields once a thread is first: how long it queued, and the
+    event a release in this process sets."""
+
+    __slots__ = ("freed", "waited")
+
+    def __init__(self, waited: float, freed: threading.Event) -> None:
+        self.waited = waited
+        self.freed = freed
+
+
+_queues: dict[tuple[str, str], _Queue] = {}
+_queues_lock = threading.Lock()
+
+
+def has_queue(alias: str, name: str) -> bool:
+    """Do threads of this process queue for ``name``? (A hint, read without the lock: a
+    blocking acquire then joins the queue rather than trying ahead of it.)"""
+    return (alias, name) in _queues
+
+
+@contextlib.contextmanager
+def queue_for(alias: str, name: str, deadline: float | None) -> Iterator[Turn | None]:
+    """Wait for this thread's turn to try ``name``: yields a :class:`Turn` once it is first
+    in the queue (``waited`` is 0.0 if it was first on arrival), None if ``deadline``
+    (monotonic) passed first. Leaving the block gives the turn to the next thread,
+    whatever happened inside.
+    """
+    key = (alias, name)
+    mine = threading.Event()
+    with _queues_lock:
+        queue = _queues.get(key)
+        if queue is None:
+            queue = _queues[key] = _Queue()
+        queue.turns.append(mine)
+        first = queue.turns[0] is mine
+        if first:
+            mine.set()
+    try:
+        if first:
+            yield Turn(0.0, queue.freed)
+        else:
+            arrived = time.monotonic()
+            if deadline is None:
+                mine.wait()
+            else:
+                mine.wait(max(deadline - arrived, 0.0))
+            waited = time.monotonic() - arrived
+            yield Turn(waited, queue.freed) if mine.is_set() else None
+    finally:
+        with _queues_lock:
+            queue.turns.remove(mine)
+            if queue.turns:
+                # A thread that timed out just as its turn came is first here too: the
+                # turn passes on either way.
+                queue.turns[0].set()
+            elif _queues.get(key) is queue:
+                del _queues[key]
+
+
+def poke(alias: str, name: str) -> None:
+    """This process freed ``name``: cut short the pause of its first waiter here, if any."""
+    queue = _queues.get((alias, name))
+    if queue is not None:
+        queue.freed.set()
+
+
+def queued(alias: str, name: str) -> int:
+    """How many threads of this process wait for ``name`` (the first one included)."""
+    with _queues_lock:
+        queue = _queues.get((alias, name))
+        return 0 if queue is None else len(queue.turns)

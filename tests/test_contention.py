@@ -14,6 +14,8 @@ from distlock.backends import backend_for
 from distlock.constants import LOCK_TABLE as TABLE
 from distlock.db import db_now_us
 from distlock.models import Lock
+from distlock.wakeups import queued
+from tests.support.helpers import wait_until
 from tests.support.processes import LIBFAKETIME, skewed_clock_env
 
 pytestmark = pytest.mark.processes
@@ -200,3 +202,60 @@ def test_purge_racing_first_uses_never_lowers_a_token(children, isolation):
         assert token > last.get(name, 0), f"{name}: token {token} after {last[name]}"
         last[name] = token
     assert len(grants) == 3 * 120
+
+
+QUEUED = 6
+
+
+def _listening_waiters() -> int:
+    """PostgreSQL sessions of this test database registered as waiting (distlock_listen's
+    shared advisory lock); other test runs on the server are not counted."""
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+            "AND mode = 'ShareLock' AND granted AND database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database())",
+            [1684825963],
+        )
+        return int(cursor.fetchone()[0])
+
+
+def test_threads_waiting_for_one_name_take_turns(lock_db):
+    """Threads of one process waiting for a name queue up: they get it in the order they
+    came, and only the first of them waits on the database (on PostgreSQL: one LISTEN,
+    where each thread used to listen and race at every release). A thread whose timeout
+    ends while it queues gives up on time and the queue goes on without it."""
+    holder = acquire("turns", ttl=60)
+    order: list[int] = []
+    outcomes: dict[int, object] = {}
+
+    def wait(number: int, timeout: float) -> None:
+        try:
+            lease = acquire("turns", ttl=60, timeout=timeout)
+            outcomes[number] = lease
+            if lease is not None:
+                order.append(number)
+                lease.release()
+        finally:
+            connections.close_all()
+
+    threads = []
+    for number in range(QUEUED):
+        # Thread 3 gives up while it queues, behind threads that wait for a minute.
+        thread = threading.Thread(target=wait, args=(number, 1.0 if number == 3 else 60.0))
+        thread.start()
+        threads.append(thread)
+        wait_until(lambda n=number: queued("default", "turns") == n + 1, 30,
+                   f"thread {number} queued")
+    wait_until(lambda: 3 in outcomes, 30, "the short wait ended")
+    assert outcomes[3] is None
+    assert queued("default", "turns") == QUEUED - 1
+    if connections["default"].vendor == "postgresql":
+        wait_until(lambda: _listening_waiters() == 1, 30, "the first waiter listening")
+        assert _listening_waiters() == 1, "more than the first waiter waits on the database"
+    holder.release()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert order == [0, 1, 2, 4, 5], "the lock was not handed over in arrival order"
+    assert queued("default", "turns") == 0
