@@ -25,7 +25,7 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext
 
-from distlock.admin_timeline import show_timeline, timeline_url
+from distlock.admin_timeline import timeline_url
 from distlock.conf import conf
 from distlock.exceptions import TransactionNotAllowed
 from distlock.locks import break_lock
@@ -113,7 +113,7 @@ class LockAdmin(_LockAdminBase):
     # counts would scan it once per filter choice (benchmarks/rows.py).
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
-    actions = ["break_selected", show_timeline]
+    actions = ["break_selected"]
     # Tuples: django-stubs types fields and readonly_fields differently, and only a tuple
     # (immutable, so covariant) suits both.
     fields = (

@@ -1,5 +1,9 @@
 """The timeline picture in the admin: on a lock's page, and for several locks on one time
-axis (``<admin>/distlock/lock/timeline/?name=a&name=b``, or the "Show timeline" action).
+axis (``<admin>/distlock/lock/timeline/?name=a&name=b``).
+
+A URL rather than an admin action: an action would give every viewer of the lock list
+an action form, where now a user who may break nothing has none (and a forged break POST
+is answered "No action selected.").
 
 Bounded, so a page costs the same with ten million audit events as with ten: one query
 reads at most :data:`WINDOW_EVENTS` events of the chosen locks, newest first, and none
@@ -13,16 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from django.contrib import admin, messages
 from django.contrib.admin.utils import quote
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
-from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
 
 from distlock.conf import conf
@@ -103,8 +104,7 @@ def _view(model_admin: LockAdmin) -> Callable[[HttpRequest], HttpResponse]:
         except (TypeError, ValueError) as exc:
             problem = f"Not a lock name: {exc}"
         if not problem and not names:
-            problem = "Name at least one lock: ?name=a&name=b, or select locks and run "
-            problem += "“Show timeline of selected locks”."
+            problem = "Name at least one lock: ?name=a&name=b."
         if len(names) > MAX_LOCKS:
             problem = f"At most {MAX_LOCKS} locks on one timeline, not {len(names)}."
         context: dict[str, Any] = {
@@ -129,18 +129,3 @@ def _view(model_admin: LockAdmin) -> Callable[[HttpRequest], HttpResponse]:
         return response
 
     return timeline_view
-
-
-@admin.action(permissions=["view"], description="Show timeline of selected locks")
-def show_timeline(
-    model_admin: LockAdmin, request: HttpRequest, queryset: QuerySet[Lock]
-) -> HttpResponse | None:
-    """Redirect to the picture of the selected locks (at most :data:`MAX_LOCKS`)."""
-    names = list(queryset.values_list("name", flat=True)[: MAX_LOCKS + 1])
-    if len(names) > MAX_LOCKS:
-        model_admin.message_user(
-            request, f"Select at most {MAX_LOCKS} locks for one timeline.", messages.WARNING
-        )
-        return None
-    url = reverse(f"{model_admin.admin_site.name}:{URL_NAME}")
-    return HttpResponseRedirect(f"{url}?{urlencode([('name', name) for name in names])}")
