@@ -48,6 +48,7 @@ _STYLE = """
 .distlock-timeline .dl-x{stroke:#e03131;stroke-width:3}
 """
 
+_ON_TOP = ("stale_write", STALE_WRITE_ACCEPTED)
 _STEPS = [
     0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300,
     600, 900, 1800, 3600, 7200, 3 * 3600, 6 * 3600, 12 * 3600, 86400,
@@ -158,7 +159,8 @@ def _lane(axis: _Axis, lane: Lane, y: int, tz: tzinfo) -> list[str]:
     bar_y = y + (LANE_H - BAR_H) // 2
     for bar in lane.bars:
         out += _bar(axis, bar, bar_y, tz)
-    for mark in lane.marks:
+    # Stale writes last, on top: they are what the picture is for.
+    for mark in sorted(lane.marks, key=lambda m: m.kind in _ON_TOP):
         out += _mark(axis, mark, bar_y + BAR_H // 2, tz)
     out.append("</g>")
     return out
@@ -223,6 +225,8 @@ def _mark(axis: _Axis, mark: Mark, y: int, tz: tzinfo) -> list[str]:
     )
     if mark.kind == "took_over":  # on the new grant's bar's upper edge
         y -= BAR_H // 2
+    elif mark.kind == "lost":  # on the lower edge, clear of a stale write at that moment
+        y += BAR_H // 2 + 2
     return [head, _symbol(mark.kind, x, y), "</g>"]
 
 
