@@ -203,8 +203,9 @@ def _grants_of_one_lock(
                 marks.append(_mark(event, "expired take-over"))
             continue
         if grant is None and event.token is not None and kind in ("renewed", "released"):
-            # A grant from before the window: draw it from its first event seen.
+            # A grant from before the window: drawn from the window's first event.
             grant = grants[event.token] = _Open(event, False, True)
+            grant.start_us = events[0].at_us
             if latest is None or (latest.token or 0) < event.token:
                 latest = grant
         if kind == "renewed":
@@ -289,7 +290,8 @@ def build(
     lanes = tuple(
         Lane(
             key,
-            tuple(sorted((b for b in bars if b.lane == key), key=lambda b: b.start_us)),
+            tuple(sorted((b for b in bars if b.lane == key),
+                         key=lambda b: (b.start_us, b.token or 0))),
             tuple(sorted((m for m in marks if m.lane == key), key=lambda m: m.at_us)),
             _note(current.get(key)) if lane_of is None else "",
         )

@@ -153,9 +153,11 @@ def test_a_grant_without_its_release_in_the_window_and_a_renewed_one_before_it()
         Event(T0, "renewed", "job", 4, "h", expiry_detail(from_us(T0 + 5 * S))),
         Event(T0 + S, "released", "job", 4, "h"),
         grant(T0 + 2 * S, 5, S),
+        Event(T0 + S // 2, "released", "job", 3, "h"),  # granted before the window
     ]
     timeline = build(events, now_us=T0 + 10 * S, current={"job": Current(6, "", "", None)})
-    first, second = timeline.lanes[0].bars
+    early, first, second = timeline.lanes[0].bars
+    assert (early.token, early.start_us, early.end_us) == (3, T0, T0 + S // 2)
     assert (first.token, first.start_us, first.ended) == (4, T0, "released")
     assert (second.token, second.end_us, second.ended) == (5, T0 + 3 * S, "expired")
 
