@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 import pytest
 from django.contrib.admin.utils import quote
 from django.urls import reverse
+from django.utils.http import urlencode
 
 from distlock import StaleToken, acquire
 from distlock.admin_timeline import MAX_LOCKS, WINDOW_EVENTS
@@ -209,6 +210,16 @@ def test_several_locks_on_one_axis(ops):
     html = page.content.decode()
     assert re.findall(r'data-lane="(\w)"', html) == ["a", "b"]
     assert len(re.findall(r'<svg[^>]* class="distlock-timeline"', html)) == 1
+
+
+def test_a_hostile_lock_name_is_escaped_on_the_pages(ops):
+    name = '<script>alert("x")</script>'
+    acquire(name, ttl=30, holder="<b>h'</b>").release()
+    for url in (reverse("admin:distlock_lock_change", args=[quote(name)]),
+                reverse("admin:distlock_lock_timeline") + "?" + urlencode({"name": name})):
+        html = ops.get(url, follow=True).content.decode()
+        assert 'data-lane="&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;"' in html
+        assert "<script>alert" not in html and "<b>h'" not in html
 
 
 @pytest.mark.parametrize(
