@@ -65,8 +65,10 @@ def _insert(cursor: Any, vendor: str, count: int, prefix: str, names: int, newes
             span_us: int) -> None:
     seq = _SEQ[vendor].format(last=count - 1)
     name = _CONCAT[vendor].format(prefix=prefix, names=names)
+    columns = ", ".join(cursor.db.ops.quote_name(c) for c in (
+        "at_us", "kind", "name", "token", "owner", "holder", "by", "detail"))  # BY: reserved
     cursor.execute(
-        "INSERT INTO distlock_lockevent (at_us, kind, name, token, owner, holder, by, detail) "
+        f"INSERT INTO distlock_lockevent ({columns}) "
         f"SELECT {newest_us} - (i * {span_us // count}), "
         "CASE WHEN i % 3 = 0 THEN 'released' WHEN i % 3 = 1 THEN 'renewed' "
         f"ELSE 'acquired' END, {name}, i, '', 'bench', '', '' FROM ({seq}) AS q"

@@ -315,16 +315,21 @@ def _note(row: Current | None) -> str:
 
 def _span(bars: list[Bar], marks: list[Mark], now_us: int | None) -> tuple[int, int]:
     """The axis: first to last moment shown, the current holder's expiry included when it
-    is near (a 1-hour lease would squash a minute of history into a sliver)."""
+    is near (a 1-hour lease would squash a minute of history into a sliver).
+
+    Now is on the axis while a grant is held or the history is recent (no older than it
+    is long); otherwise five seconds of grants seen an hour later would be a sliver too.
+    """
     moments = [m.at_us for m in marks]
     for bar in bars:
         moments += [bar.start_us, *(t for t in (bar.end_us, bar.acted_until_us) if t)]
-    if now_us is not None:
-        moments.append(now_us)
     if not moments:
         now = now_us or 0
         return now - 60_000_000, now
     start, end = min(moments), max(moments)
+    held = any(bar.ended == "held" for bar in bars)
+    if now_us is not None and (held or now_us - end <= max(end - start, 1_000_000)):
+        end = max(end, now_us)
     for bar in bars:
         near = max(end - start, 1_000_000) // 3
         if bar.ended == "held" and bar.expires_us is not None and 0 < bar.expires_us - end <= near:

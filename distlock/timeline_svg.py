@@ -106,7 +106,12 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
             f'<text class="dl-quiet" x="{(LABEL_W + WIDTH) // 2}" y="{TOP + LANE_H // 2 + 4}" '
             'text-anchor="middle">no audit events in this window</text>'
         )
-    if timeline.now_us is not None:
+    if timeline.now_us is not None and timeline.now_us > axis.end:
+        out.append(
+            f'<text x="{axis.right}" y="{TOP - 10}" text-anchor="end" class="dl-quiet">'
+            f"now: {_a(_later(timeline.now_us - axis.end))} later →</text>"
+        )
+    elif timeline.now_us is not None:
         x = axis.x(timeline.now_us)
         out.append(
             f'<g class="dl-now-line"><line class="dl-now" x1="{x}" x2="{x}" y1="{TOP - 6}" '
@@ -118,16 +123,26 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
     return "".join(out)
 
 
+def _later(us: int) -> str:
+    """A duration in words for people: "40 s", "12 min", "3 h", "2 days"."""
+    seconds = us / 1e6
+    for unit, size, from_ in (("days", 86400, 2 * 86400), ("h", 3600, 3600), ("min", 60, 60)):
+        if seconds >= from_:
+            return f"{int(seconds // size)} {unit}"
+    return f"{int(seconds)} s"
+
+
 def _grid(axis: _Axis, tz: tzinfo, height: int, now_us: int | None) -> list[str]:
     step, ticks = axis.ticks()
     out = ['<g class="dl-axis">']
     bottom = height - LEGEND_H
-    now_x = None if now_us is None else axis.x(now_us)
+    now_x = None if now_us is None else (axis.right - 70 if now_us > axis.end
+                                          else axis.x(now_us))
     for at in ticks:
         x = axis.x(at)
         text = _clock(at, tz, precise=step < 1)
         out.append(f'<line class="dl-grid" x1="{x}" x2="{x}" y1="{TOP - 4}" y2="{bottom}"/>')
-        if now_x is None or not now_x - 70 < x < now_x + 40:  # "now" has that place
+        if now_x is None or not now_x - 70 < x < now_x + 40:  # "now …" has that place
             out.append(f'<text x="{x}" y="{TOP - 10}" text-anchor="middle">{_a(text)}</text>')
     day = from_us(axis.start).astimezone(tz)
     out.append(

@@ -163,6 +163,19 @@ def test_a_grant_without_its_release_in_the_window_and_a_renewed_one_before_it()
     assert (second.token, second.end_us, second.ended) == (5, T0 + 3 * S, "expired")
 
 
+def test_old_history_is_not_squashed_against_now():
+    """Five seconds of grants seen an hour later fill the axis; "now" is written, not
+    drawn. While a grant is held, now stays on the axis."""
+    events = [grant(T0, 1, S), Event(T0 + S // 2, "released", "job", 1),
+              grant(T0 + 4 * S, 2, S), Event(T0 + 5 * S, "released", "job", 2)]
+    timeline = build(events, now_us=T0 + 3600 * S)
+    assert timeline.end_us < T0 + 6 * S
+    assert "now: 59 min later →" in render(timeline)
+    held = build(events[:3], now_us=T0 + 3600 * S,
+                 current={"job": Current(2, "o", "h", T0 + 7200 * S)})
+    assert held.end_us >= T0 + 3600 * S
+
+
 def test_lanes_per_worker_put_each_mark_with_its_grant():
     events = [
         grant(T0, 1, S, holder="a"), grant(T0 + 2 * S, 2, S, "took_over", holder="b"),
