@@ -172,8 +172,10 @@ def _lane(axis: _Axis, lane: Lane, y: int, tz: tzinfo) -> list[str]:
             f"{_a(_short(lane.note, 36))}</text>"
         )
     bar_y = y + (LANE_H - BAR_H) // 2
+    free_x = 0.0  # where the next token written above a narrow bar may start
     for bar in lane.bars:
-        out += _bar(axis, bar, bar_y, tz)
+        drawn, free_x = _bar(axis, bar, bar_y, tz, free_x)
+        out += drawn
     # Stale writes last, on top: they are what the picture is for.
     for mark in sorted(lane.marks, key=lambda m: m.kind in _ON_TOP):
         out += _mark(axis, mark, bar_y + BAR_H // 2, tz)
@@ -181,7 +183,12 @@ def _lane(axis: _Axis, lane: Lane, y: int, tz: tzinfo) -> list[str]:
     return out
 
 
-def _bar(axis: _Axis, bar: Bar, y: int, tz: tzinfo) -> list[str]:
+def _bar(
+    axis: _Axis, bar: Bar, y: int, tz: tzinfo, free_x: float
+) -> tuple[list[str], float]:
+    """A grant's bar and token; returns where the next label above a bar may start (a
+    run of short grants writes only the tokens that do not overlap: hover for the rest).
+    """
     x0 = axis.x(bar.start_us)
     open_end = bar.end_us is None
     end = bar.end_us if bar.end_us is not None else (
@@ -209,8 +216,9 @@ def _bar(axis: _Axis, bar: Bar, y: int, tz: tzinfo) -> list[str]:
     text = f"token {token}" if x1 - x0 > 7 * (len(token) + 6) else token
     if x1 - x0 > 7 * len(text) + 4:
         out.append(f'<text x="{x0 + 4}" y="{y + BAR_H - 5}">{_a(text)}</text>')
-    else:  # too narrow: the token above the bar
+    elif x0 >= free_x:  # too narrow: the token above the bar, if there is room
         out.append(f'<text x="{x0}" y="{y - 3}" style="fill:currentColor">{_a(text)}</text>')
+        free_x = x0 + 7 * len(text) + 4
     if bar.ended == "held" and bar.expires_us is not None and bar.expires_us > axis.end:
         out.append(
             f'<text x="{axis.right}" y="{y + BAR_H + 11}" text-anchor="end" '
@@ -226,7 +234,7 @@ def _bar(axis: _Axis, bar: Bar, y: int, tz: tzinfo) -> list[str]:
             "</line>"
         )
     out.append("</g>")
-    return out
+    return out, free_x
 
 
 def _mark(axis: _Axis, mark: Mark, y: int, tz: tzinfo) -> list[str]:

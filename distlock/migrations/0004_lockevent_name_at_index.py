@@ -15,8 +15,9 @@ is dropped, so lookups by name never lose their index on MariaDB, whose DDL does
 for the migration's transaction.
 """
 
-import distlock.models
 from django.db import migrations, models
+
+import distlock.models
 
 
 class Migration(migrations.Migration):
