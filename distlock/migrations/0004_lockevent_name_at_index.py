@@ -9,7 +9,7 @@ first column.
 
 Cost of the migration: building the index reads the whole event table and, on
 PostgreSQL, blocks audit inserts (and so the grants that record them) while it runs:
-about 18 s for 10 million events on the benchmark machine. Purge old events first
+about 18 s for 10 million events on the benchmark machine (MariaDB: about a minute). Purge old events first
 (``distlock_purge``) or run it at a quiet time. The new index is built before the old one
 is dropped, so lookups by name never lose their index on MariaDB, whose DDL does not wait
 for the migration's transaction.
