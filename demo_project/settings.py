@@ -106,6 +106,9 @@ TEMPLATES = [
 STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# The audit history: the admin's timeline of each lock and the demo's HTML report draw it.
+DISTLOCK_AUDIT = True
+
 # Waiters poll at most every 0.1 s, so the demo's hand-overs are quick to watch.
 DISTLOCK_POLL_MAX_INTERVAL = 0.1
 

@@ -19,12 +19,13 @@ from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import reverse
+from django.urls import URLPattern, reverse
 from django.utils import formats, timezone
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext
 
+from distlock.admin_timeline import timeline_url
 from distlock.conf import conf
 from distlock.exceptions import TransactionNotAllowed
 from distlock.locks import break_lock
@@ -123,6 +124,11 @@ class LockAdmin(_LockAdminBase):
     confirmation_template = "admin/distlock/lock/break_confirmation.html"
 
     # --- read-only table -------------------------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        # The timeline of several locks (distlock/admin_timeline.py); the lock's own page
+        # shows its picture through templates/admin/distlock/lock/change_form.html.
+        return [timeline_url(self), *super().get_urls()]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[LockWithState]:
         alias = conf.database()

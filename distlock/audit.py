@@ -25,6 +25,7 @@ from distlock import signals
 from distlock.conf import conf
 from distlock.constants import PURGE_BATCH
 from distlock.status import database_now
+from distlock.timeline import expiry_detail
 from distlock.validation import check_seconds, check_using
 
 if TYPE_CHECKING:
@@ -65,10 +66,14 @@ def record(
 def _acquired(sender: type[Lease], lease: Lease, took_over: str = "", **kwargs: Any) -> None:
     from distlock.models import LockEvent
 
+    # The lease's end goes into the detail: the timeline draws a grant that was taken
+    # over up to its expiry, which no later event says.
+    expires = expiry_detail(lease.expires_at) if lease.expires_at else ""
     if took_over:
-        kind, detail = LockEvent.Kind.TOOK_OVER, f"took over the expired lease of {took_over}"
+        kind = LockEvent.Kind.TOOK_OVER
+        detail = "; ".join(filter(None, [f"took over the expired lease of {took_over}", expires]))
     else:
-        kind, detail = LockEvent.Kind.ACQUIRED, ""
+        kind, detail = LockEvent.Kind.ACQUIRED, expires
     record(
         kind, name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
         holder=lease.holder, detail=detail,
@@ -78,8 +83,8 @@ def _acquired(sender: type[Lease], lease: Lease, took_over: str = "", **kwargs: 
 def _renewed(sender: type[Lease], lease: Lease, **kwargs: Any) -> None:
     record(
         "renewed", name=lease.name, using=lease.using, token=lease.token, owner=lease.owner,
-        holder=lease.holder, detail=f"expires {lease.expires_at.isoformat()}"
-        if lease.expires_at else "",
+        holder=lease.holder,
+        detail=expiry_detail(lease.expires_at) if lease.expires_at else "",
     )
 
 

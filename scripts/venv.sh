@@ -15,8 +15,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "installing django-distlock[$extras] ${DJANGO} into $VENV"
+    if [ ! -f "$stamp" ]; then
+        echo "  (first run: pip downloads Django, Celery, psycopg and the test tools;" \
+             "a minute or two, quietly)"
+    fi
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
         -e ".[$extras]" ${DJANGO:+"$DJANGO"}
     echo "$want" > "$stamp"
+    echo "  installed; next runs start at once"
 fi

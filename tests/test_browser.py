@@ -144,3 +144,106 @@ def test_break_a_lock_in_the_browser(live_server, django_user_model, settings, s
     assert sorted(p.name for p in shots.glob("*.png")) == [
         "01-locks-held.png", "02-confirmation.png", "03-broken.png", "04-event.png",
     ]
+
+
+def _login(page, url: str, expect) -> None:
+    page.goto(url)
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "s3cret-pw")
+    page.click("input[type=submit]")
+    expect(page.locator("#distlock-timeline svg.distlock-timeline")).to_be_visible()
+
+
+_PICTURE = """svg => {
+    const bars = [...svg.querySelectorAll("g.dl-bar[data-token]")].map(g => ({
+        token: g.dataset.token, ended: g.dataset.ended,
+        x: g.querySelector("rect").getBBox().x}));
+    const marks = kind => [...svg.querySelectorAll(`g[data-kind="${kind}"]`)].map(g => {
+        const shape = g.querySelector("circle, path, line");
+        const box = shape.getBBox();
+        return {token: g.dataset.token, x: box.x + box.width / 2,
+                fill: getComputedStyle(shape).fill};
+    });
+    const label = svg.querySelector("g[data-lane] text");
+    return {bars, took_over: marks("took_over"), stale: marks("stale_write"),
+            label: getComputedStyle(label).fill,
+            page: getComputedStyle(document.body).color,
+            width: svg.getBoundingClientRect().width,
+            box: svg.parentElement.getBoundingClientRect().width};
+}"""
+
+
+@pytest.mark.processes
+def test_timeline_of_a_paused_holder_taken_over_and_refused(
+    live_server, django_user_model, children
+):
+    """The seed's story with real processes, then drawn: A is granted, SIGSTOPped past its
+    lease, B takes over and writes, A wakes and its fenced write is refused. The lock's
+    admin page must show A's bar, then B's with a take-over mark, and a red stale-write
+    mark after B's bar began — in the light and the dark theme."""
+    import signal
+    import time
+
+    from tests.factories import AccountFactory
+    from tests.test_fencing import pause_until
+
+    sync_api = _browser_or_skip()
+    # Beside the other test's screenshots, not among them (its fixture clears its folder).
+    shots = Path(settings.BASE_DIR) / "artifacts" / "browser" / connection.vendor / "timeline"
+    shots.mkdir(parents=True, exist_ok=True)
+    django_user_model.objects.create_superuser("ops", "ops@example.com", "s3cret-pw")
+    account = AccountFactory(note="initial")
+    worker = "tests.support.fencing_workers:audited_writer"
+    a = children.start(worker, "testapp.Account", account.pk, 1.0)
+    lease_a = a.expect("acquired")
+    a.signal(signal.SIGSTOP)
+    resume_at = time.monotonic() + 2.0
+    b = children.start(worker, "testapp.Account", account.pk, 600.0)
+    lease_b = b.expect("acquired")
+    b.send("write", note="B")
+    b.expect("wrote")
+    pause_until(resume_at)
+    a.signal(signal.SIGCONT)
+    a.send("write", note="A")
+    a.expect("refused")
+    for child in (a, b):
+        child.send("exit")
+        assert child.finish() == 0
+    assert lease_b["token"] == lease_a["token"] + 1
+    kinds = list(LockEvent.objects.filter(name=f"account:{account.pk}")
+                 .order_by("at_us", "id").values_list("kind", flat=True))
+    assert kinds[:2] == ["acquired", "took_over"] and "stale_write" in kinds
+
+    url = f"{live_server.url}/admin/distlock/lock/account:{account.pk}/change/"
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1366, "height": 900})
+            page.set_default_timeout(TIMEOUT_MS)
+            _login(page, url, sync_api.expect)
+            drawn = {}
+            for theme in ("light", "dark"):
+                page.emulate_media(color_scheme=theme)
+                svg = page.locator("#distlock-timeline svg.distlock-timeline")
+                drawn[theme] = svg.evaluate(_PICTURE)
+                page.locator("#distlock-timeline").screenshot(
+                    path=str(shots / f"timeline-{theme}.png"))
+        finally:
+            browser.close()
+
+    for theme, got in drawn.items():
+        bars = got["bars"]
+        assert [bar["token"] for bar in bars] == [str(lease_a["token"]), str(lease_b["token"])]
+        assert bars[0]["x"] < bars[1]["x"] and bars[0]["ended"] == "expired"
+        assert bars[1]["ended"] == "held"  # B still holds it (600 s lease)
+        (took_over,) = got["took_over"]
+        assert took_over["token"] == str(lease_b["token"])
+        assert got["stale"], "no stale-write mark"
+        for stale in got["stale"]:
+            assert stale["token"] == str(lease_a["token"])
+            assert stale["x"] > bars[1]["x"]  # after B's bar began
+            assert stale["fill"] == "rgb(224, 49, 49)"  # red
+        # Text takes the theme's colour (not a fixed black), and the picture fits its box.
+        assert got["label"] == got["page"], theme
+        assert got["width"] <= got["box"] + 0.5
+    assert drawn["light"]["label"] != drawn["dark"]["label"]

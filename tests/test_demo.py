@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,9 +110,34 @@ def test_demo_fenced_loses_nothing_and_unfenced_loses_updates(tmp_path, demo_env
         ((token, _, taken_by),) = mode["stalled"]
         assert taken_by == token + 1
     assert "lost updates 0" in done.stdout and "admin: http://127.0.0.1:8000/admin/" in done.stdout
+    assert "stopping the workers" in done.stdout and "workers stopped after" in done.stdout
+    check_report(done.stdout, fenced, unfenced)
     # The workers were stopped: nothing is left in their process group.
     with pytest.raises(ProcessLookupError):
         os.killpg(json.loads(out.read_text())["process_group"], 0)
+
+
+def check_report(stdout: str, fenced: dict, unfenced: dict) -> None:
+    """The HTML report the demo printed the path of: one self-contained file with both
+    runs' timelines, their balances and the fenced run's refused stale write."""
+    (line,) = [line for line in stdout.splitlines() if line.strip().startswith("report: ")]
+    path = Path(line.split("report: ", 1)[1])
+    html = path.read_text(encoding="utf-8")
+    assert not re.search(r'(?:src|href)="|url\(|@import|<script', html)  # nothing fetched
+    assert re.findall(r'<section id="(\w+)">', html) == ["fenced", "unfenced"]
+    for mode, result in (("fenced", fenced), ("unfenced", unfenced)):
+        section = html.split(f'<section id="{mode}">')[1].split("</section>")[0]
+        assert f"Balance <b>{result['final']}</b>, expected {result['expected']}" in section
+        assert section.count('class="distlock-timeline"') == 1
+        tokens = re.findall(r'class="dl-bar [^"]*" data-token="(\d+)"', section)
+        assert len(tokens) == result["grants"]  # every grant drawn, the probe not
+        assert f'data-mode="{mode}">{result["final"]} of {result["expected"]}<' in html
+    fenced_part = html.split('<section id="fenced">')[1].split("</section>")[0]
+    ((stale_token, _),) = fenced["stale_writes_refused"]
+    assert f'data-kind="stale_write" data-token="{stale_token}"' in fenced_part
+    unfenced_part = html.split('<section id="unfenced">')[1]
+    ((accepted_token, _),) = unfenced["stale_writes_accepted"]
+    assert f'data-kind="stale_write_accepted" data-token="{accepted_token}"' in unfenced_part
 
 
 def test_demo_with_django_tasks_workers(tmp_path, demo_env):
@@ -119,10 +145,12 @@ def test_demo_with_django_tasks_workers(tmp_path, demo_env):
     out = tmp_path / "result.json"
     done = run_demo(
         demo_env, "--django-tasks", "--workers", "2", "--tasks", "4", "--pause-grants", "2",
-        "--ttl", "0.5", "--work", "0.05", "--json", str(out),
+        "--ttl", "0.5", "--work", "0.05", "--json", str(out), "--no-report",
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 Django Tasks db_worker processes" in done.stdout
+    assert "report:" not in done.stdout  # --no-report
+    assert not list((Path(demo_env["DEMO_BROKER_DIR"]) / "runs").glob("*/report.html"))
     result = json.loads(out.read_text())["modes"]
     fenced, unfenced = result["fenced"], result["unfenced"]
     assert fenced["lost_updates"] == 0 and fenced["final"] == 4 and fenced["complete"]

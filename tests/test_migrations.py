@@ -43,7 +43,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0003_token_floor")
+LATEST = ("distlock", "0004_lockevent_name_at_index")
 
 
 def tables() -> set[str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from demo_project.bank.models import Account, Attempt
 from distlock import StaleToken
+from distlock.db import db_now_us
 from distlock.leases import Lease
 
 
@@ -61,12 +62,14 @@ def deposit(
             Account.objects.filter(pk=account_id).update(balance=read + 1)
     except StaleToken as exc:
         attempt.outcome, attempt.detail = Attempt.Outcome.REFUSED, str(exc)[:500]
-        attempt.save(update_fields=["outcome", "detail"])
+        attempt.wrote_us = db_now_us(lease.using)
+        attempt.save(update_fields=["outcome", "detail", "wrote_us"])
         raise
     attempt.outcome, attempt.wrote_balance = Attempt.Outcome.WRITTEN, read + 1
+    attempt.wrote_us = db_now_us(lease.using)
     # Did it still hold the lock when it wrote? (The unfenced stale holder does not know.)
     attempt.lease_still_held = lease.remaining() > 0 and attempt.taken_over_by is None
-    attempt.save(update_fields=["outcome", "wrote_balance", "lease_still_held"])
+    attempt.save(update_fields=["outcome", "wrote_balance", "lease_still_held", "wrote_us"])
     return attempt.outcome
 
 

@@ -54,6 +54,10 @@ class Attempt(models.Model):
     outcome = models.CharField(max_length=10, choices=Outcome.choices, default="running")
     detail = models.CharField(max_length=500, blank=True)
     lease_still_held = models.BooleanField(null=True)
+    wrote_us = models.BigIntegerField(
+        null=True, help_text="When its write was done or refused (database clock, epoch µs): "
+        "the report's timeline places accepted stale writes, which no lock event records.",
+    )
 
     class Meta:
         ordering = ["id"]

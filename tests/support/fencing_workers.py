@@ -131,3 +131,10 @@ def incrementer(key: str, count: int, ttl: float, pauses: int, seed: int) -> Non
                 tokens.append(lease.token)
             lease.release()
     emit("done", acked=acked, tokens=tokens, refused=refused, pauses=pauses)
+
+
+def audited_writer(model_label: str, pk: Any, ttl: float) -> None:
+    """:func:`writer` with the audit history on (DISTLOCK_AUDIT), for the timeline's
+    browser test: the grant, the take-over and the refused write become LockEvents."""
+    with override_settings(DISTLOCK_AUDIT=True):
+        writer(model_label, pk, ttl)

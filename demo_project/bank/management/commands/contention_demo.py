@@ -73,6 +73,11 @@ class Command(BaseCommand):
                             help="give up on a mode after this many seconds")
         parser.add_argument("--json", dest="json_path", help="also write the results here")
         parser.add_argument(
+            "--no-report", dest="report", action="store_false",
+            help="do not write the HTML report (report.html in the run's folder: the "
+                 "timeline of grants per worker, stalls, stale writes, balances)",
+        )
+        parser.add_argument(
             "--django-tasks", dest="runner", action="store_const", const="django-tasks",
             default="celery",
             help="run the deposits as Django Tasks on django-tasks-db db_worker processes "
@@ -105,6 +110,7 @@ class Command(BaseCommand):
             )
 
         self._prepare()
+        self._bases: dict[str, int] = {}
         run = uuid.uuid4().hex[:8]
         queue = f"demo-{run}"
         folder = Path(settings.DEMO_BROKER_DIR) / "runs" / run
@@ -137,13 +143,19 @@ class Command(BaseCommand):
             raise CommandError("interrupted; the workers were stopped") from None
         finally:
             # Warm shutdown (running tasks finish); on Ctrl-C wait less before SIGKILL.
+            stopping = time.monotonic()
+            self.stdout.write("\nstopping the workers (each finishes its task first)...")
             pool.stop(grace=3.0 if interrupted else 10.0)
+            self.stdout.write(f"  workers stopped after {time.monotonic() - stopping:.1f} s")
             _drop_queue(queue, runner)
             signal.signal(signal.SIGTERM, previous)
             for path in folder.glob("ready-*"):
                 path.unlink()
         elapsed = time.monotonic() - started
         self._summary(results, elapsed)
+        if options["report"] and results:
+            path = self._report(folder / "report.html", run, results, options, runner)
+            self.stdout.write(f"  report: {path}")
         if options["json_path"]:
             Path(options["json_path"]).write_text(
                 json.dumps(
@@ -212,6 +224,7 @@ class Command(BaseCommand):
                 break
             time.sleep(0.1)
         account.refresh_from_db()
+        self._bases[mode] = base
         return self._tally(mode, account, attempts, base, tasks, complete,
                            time.monotonic() - started)
 
@@ -293,6 +306,32 @@ class Command(BaseCommand):
                 f"{u['lost_updates']}: the lock alone did not stop a stalled holder; "
                 "the fencing token did.")
         out(f"  wall time {elapsed:.1f} s")
+
+
+    def _report(self, path: Path, run: str, results: dict[str, dict[str, Any]],
+                options: dict[str, Any], runner: str) -> Path:
+        """The HTML report, from each mode's audit events and attempts (read now, once
+        the workers have stopped and recorded their last releases)."""
+        from demo_project.bank import report
+        from demo_project.bank.models import Attempt
+        from distlock.conf import conf
+        from distlock.models import LockEvent
+
+        pictures = {}
+        for mode, result in results.items():
+            events = list(LockEvent.objects.using(conf.database())
+                          .filter(name=result["lock"]).order_by("at_us", "id"))
+            attempts = list(Attempt.objects.filter(run=run, mode=mode))
+            pictures[mode] = report.mode_picture(
+                result["lock"], events, attempts, self._bases[mode])
+        intro = (
+            f"{options['workers']} {RUNNERS[runner]} deposit 1 into an account "
+            f"{options['tasks']} times under one lock (ttl {options['ttl']} s); some holders "
+            "stall past their lease. "
+            "Fenced, the database refuses the stalled holder's write; unfenced, it "
+            "overwrites the newer holder's deposit."
+        )
+        return report.write(path, {"run": run}, results, pictures, intro)
 
 
 def _drop_queue(queue: str, runner: str) -> None:
