@@ -100,7 +100,7 @@ def acquire(
     """
     request = Request(name, ttl, blocking, timeout, using, holder)
     uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
-    give_up = None if request.wait is None else time.monotonic() + request.wait
+    give_up = None if request.wait is None else request.began + request.wait
     attempt = 0
     waiter: Waiter | None = None
     try:
@@ -112,7 +112,7 @@ def acquire(
             if isinstance(result, Grant):
                 break
             left = None if give_up is None else give_up - time.monotonic()
-            if not blocking or (left is not None and left <= 0):
+            if grants.gives_up(request, left):
                 return None
             if waiter is None:
                 waiter = Waiter(request.alias, request.name)

@@ -1,7 +1,11 @@
 """Signals sent by distlock, after the database change they report has committed.
 
 ``lock_acquired``        sender=Lease class; lease, took_over (holder of the expired
-                         lease this grant replaced, or "")
+                         lease this grant replaced, or ""), waited (seconds from the call
+                         to the try that got the lock)
+``lock_not_acquired``    sender=Lease class; name, using, timed_out (False: a try that was
+                         not to wait found the lock held; True: the timeout ran out),
+                         waited (seconds)
 ``lock_released``        sender=Lease class; lease, held (False if it had expired)
 ``lock_renewed``         sender=Lease class; lease (expires_at is the new expiry)
 ``lock_lost``            sender=Lease class; lease, reason (str)
@@ -14,9 +18,12 @@ from __future__ import annotations
 from django.dispatch import Signal
 
 # use_caching: receivers are looked up once per sender, not on every send (connect and
-# disconnect clear the cache); acquire and release each send one. Django keeps that cache
-# by weak reference to the sender, so it only suits signals whose sender is a class.
+# disconnect clear the cache); acquire and release each send one. Without receivers a
+# send then costs a dictionary lookup, so a signal on the grant path is almost free.
+# Django keeps that cache by weak reference to the sender, so it only suits signals
+# whose sender is a class.
 lock_acquired = Signal(use_caching=True)
+lock_not_acquired = Signal(use_caching=True)
 lock_released = Signal(use_caching=True)
 lock_renewed = Signal(use_caching=True)
 lock_lost = Signal(use_caching=True)
