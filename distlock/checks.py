@@ -121,14 +121,15 @@ def database_messages(
             backend.check_messages(alias, settings_dict, name_collation=name_collation)
         )
     if settings_dict.get("ATOMIC_REQUESTS"):
+        advice = (
+            backend.own_connection_advice(alias) if backend is not None
+            else "Give distlock a database alias of its own."
+        )
         messages.append(Warning(
             f"Database {alias!r} holds the lock table and has ATOMIC_REQUESTS = True, so "
             "every view runs inside a transaction there and distlock will refuse to lock.",
-            hint=(
-                "Give distlock its own connection: DATABASES['distlock'] = "
-                f"{{**DATABASES[{alias!r}], 'ATOMIC_REQUESTS': False}} and "
-                "DISTLOCK_DATABASE = 'distlock'."
-            ),
+            hint=advice + " Or mark the views that lock with "
+            "@transaction.non_atomic_requests.",
             id="distlock.W001",
         ))
     return messages
