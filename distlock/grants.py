@@ -156,8 +156,8 @@ def grant_lease(request: Request, started: float, result: Grant) -> Lease:
 
     ``started`` is the monotonic time before the granting request left: the lease's local
     deadline counts from it, so it never ends later than the database's expiry. The
-    signal's ``waited`` is the time from the call to that try (0.0 when the first try got
-    the lock): no clock read beyond the two the acquire makes anyway.
+    signal's ``waited`` is the time from the call to the start of that try (microseconds
+    when the first try got the lock): no clock read beyond those the acquire makes anyway.
     """
     alias, seconds = request.alias, request.seconds
     lease = Lease._granted(
