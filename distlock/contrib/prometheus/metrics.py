@@ -74,48 +74,90 @@ HELD = Gauge(
     LABELS,
 )
 
+class Series:
+    """The time series of one ``lock`` label, looked up once.
+
+    ``Metric.labels()`` takes a lock and checks its values on every call; a grant and a
+    release would call it five times. Made together, so every metric of a label exists
+    from its first event on, at zero where nothing happened: ``increase()`` and
+    ``rate()`` then see a counter's first step (a series born at 1 shows no increase).
+    """
+
+    __slots__ = ("breaks", "busy", "grants", "held", "hold", "lost", "releases",
+                 "stale_writes", "timeouts", "wait")
+
+    def __init__(self, label: str) -> None:
+        self.grants = GRANTS.labels(label)
+        self.busy = BUSY.labels(label)
+        self.timeouts = TIMEOUTS.labels(label)
+        self.releases = RELEASES.labels(label)
+        self.breaks = BREAKS.labels(label)
+        self.lost = LOST.labels(label)
+        self.stale_writes = STALE_WRITES.labels(label)
+        self.wait = WAIT.labels(label)
+        self.hold = HOLD.labels(label)
+        self.held = HELD.labels(label)
+
+
+_series: dict[str, Series] = {}
+
+
+def series(name: str) -> Series:
+    """The series of lock ``name``'s pattern."""
+    label = pattern_of(name)
+    found = _series.get(label)
+    if found is None:
+        # setdefault: two threads meeting here keep one (the children are the same ones).
+        found = _series.setdefault(label, Series(label))
+    return found
+
+
 _mutex = threading.Lock()
-# Each held lease: its label and its monotonic grant time. Weak, so a lease dropped
+# Each held lease: its series and its monotonic grant time. Weak, so a lease dropped
 # without a release is forgotten (its gauge stays up: it was never released).
-_held: weakref.WeakKeyDictionary[Lease, tuple[str, float]] = weakref.WeakKeyDictionary()
+_held: weakref.WeakKeyDictionary[Lease, tuple[Series, float]] = weakref.WeakKeyDictionary()
 # Leases already counted as lost: a lock() block whose lease ran out reports it twice
 # (lock_released with held=False, then lock_lost).
 _lost: weakref.WeakSet[Lease] = weakref.WeakSet()
 
 
 def _acquired(sender: object, lease: Lease, waited: float | None = None, **kwargs: Any) -> None:
-    label = pattern_of(lease.name)
-    GRANTS.labels(label).inc()
+    found = series(lease.name)
+    found.grants.inc()
     if waited is not None:
-        WAIT.labels(label).observe(max(waited, 0.0))
+        found.wait.observe(max(waited, 0.0))
     with _mutex:
-        _held[lease] = (label, time.monotonic())
-    HELD.labels(label).inc()
+        _held[lease] = (found, time.monotonic())
+    found.held.inc()
 
 
 def _not_acquired(sender: object, name: str, timed_out: bool = False, **kwargs: Any) -> None:
-    (TIMEOUTS if timed_out else BUSY).labels(pattern_of(name)).inc()
+    found = series(name)
+    (found.timeouts if timed_out else found.busy).inc()
 
 
-def _ended(lease: Lease, lost: bool) -> None:
+def _ended(lease: Lease, lost: bool) -> Series:
     """The lease is no longer held by this process: hold time, gauge, and loss (once)."""
     with _mutex:
         entry = _held.pop(lease, None)
         count_loss = lost and lease not in _lost
         if count_loss:
             _lost.add(lease)
-    label = entry[0] if entry is not None else pattern_of(lease.name)
-    if entry is not None:
-        HOLD.labels(label).observe(time.monotonic() - entry[1])
-        HELD.labels(label).dec()
+    if entry is None:
+        found = series(lease.name)
+    else:
+        found, granted = entry
+        found.hold.observe(time.monotonic() - granted)
+        found.held.dec()
     if count_loss:
-        LOST.labels(label).inc()
+        found.lost.inc()
+    return found
 
 
 def _released(sender: object, lease: Lease, held: bool = True, **kwargs: Any) -> None:
+    found = _ended(lease, lost=not held)
     if held:
-        RELEASES.labels(pattern_of(lease.name)).inc()
-    _ended(lease, lost=not held)
+        found.releases.inc()
 
 
 def _lost_lease(sender: object, lease: Lease, **kwargs: Any) -> None:
@@ -123,11 +165,11 @@ def _lost_lease(sender: object, lease: Lease, **kwargs: Any) -> None:
 
 
 def _broken(sender: object, name: str, **kwargs: Any) -> None:
-    BREAKS.labels(pattern_of(name)).inc()
+    series(name).breaks.inc()
 
 
 def _stale_write(sender: object, lease: Lease, **kwargs: Any) -> None:
-    STALE_WRITES.labels(pattern_of(lease.name)).inc()
+    series(lease.name).stale_writes.inc()
 
 
 def _receivers() -> list[tuple[Signal, Any, str]]:
