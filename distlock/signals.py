@@ -15,7 +15,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from django.dispatch import Signal
+
+# (signal, receiver, key): a receiver of distlock's own (audit, metrics) and the key that,
+# after its owner's prefix, is its dispatch_uid.
+Receivers = Iterable[tuple[Signal, Callable[..., None], str]]
 
 # use_caching: receivers are looked up once per sender, not on every send (connect and
 # disconnect clear the cache); acquire and release each send one. Without receivers a
@@ -29,3 +35,16 @@ lock_renewed = Signal(use_caching=True)
 lock_lost = Signal(use_caching=True)
 lock_broken = Signal()
 stale_write_refused = Signal()
+
+
+def connect_receivers(receivers: Receivers, prefix: str) -> None:
+    """Connect each receiver with dispatch_uid ``prefix + key``: connecting twice (a second
+    ready(), a setting turned on again) keeps one connection."""
+    for signal, receiver, key in receivers:
+        signal.connect(receiver, dispatch_uid=prefix + key)
+
+
+def disconnect_receivers(receivers: Receivers, prefix: str) -> None:
+    """Disconnect what :func:`connect_receivers` connected (idempotent)."""
+    for signal, receiver, key in receivers:
+        signal.disconnect(receiver, dispatch_uid=prefix + key)

@@ -188,11 +188,9 @@ _UID = "distlock.contrib.prometheus."
 
 def connect() -> None:
     """Connect the receivers to distlock's signals (idempotent)."""
-    for signal, receiver, key in _receivers():
-        signal.connect(receiver, dispatch_uid=_UID + key)
+    signals.connect_receivers(_receivers(), _UID)
 
 
 def disconnect() -> None:
     """Disconnect them again (idempotent); the numbers so far stay."""
-    for signal, receiver, key in _receivers():
-        signal.disconnect(receiver, dispatch_uid=_UID + key)
+    signals.disconnect_receivers(_receivers(), _UID)
