@@ -72,6 +72,9 @@ INSTALLED_APPS = [
     "distlock",
     "demo_project.bank",
 ]
+# Lock metrics at /metrics (demo_project/urls.py) when the prometheus extra is installed.
+if find_spec("prometheus_client"):
+    INSTALLED_APPS.append("distlock.contrib.prometheus")
 # Django's Tasks framework (contention_demo --django-tasks): django-tasks-db stores the
 # tasks and runs them with its db_worker. Django 6 has the framework built in; on 5.2 it
 # is the django-tasks backport (both come with the tasks extra).

@@ -148,7 +148,7 @@ async def aacquire(
         name, ttl, blocking, timeout, using,
         f"task={task.get_name()} {holder}".strip() if task is not None else holder,
     )
-    give_up = None if request.wait is None else time.monotonic() + request.wait
+    give_up = None if request.wait is None else request.began + request.wait
     attempt = 0
     waiter: AsyncWaiter | None = None
     try:
@@ -158,7 +158,7 @@ async def aacquire(
             if isinstance(result, Lease):
                 break
             left = None if give_up is None else give_up - time.monotonic()
-            if not blocking or (left is not None and left <= 0):
+            if grants.gives_up(request, left):
                 return None
             if waiter is None:
                 waiter = AsyncWaiter(request.alias, request.name)

@@ -138,14 +138,12 @@ def _receivers() -> list[tuple[Signal, Callable[..., None], str]]:
 
 def connect() -> None:
     """Connect the audit receivers to distlock's signals (idempotent)."""
-    for signal, receiver, key in _receivers():
-        signal.connect(receiver, dispatch_uid=_UID + key)
+    signals.connect_receivers(_receivers(), _UID)
 
 
 def disconnect() -> None:
     """Disconnect them again (idempotent)."""
-    for signal, receiver, key in _receivers():
-        signal.disconnect(receiver, dispatch_uid=_UID + key)
+    signals.disconnect_receivers(_receivers(), _UID)
 
 
 def follow_setting(**kwargs: Any) -> None:

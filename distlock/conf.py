@@ -47,6 +47,10 @@ DEFAULTS: dict[str, Any] = {
     # Audit events older than this many seconds (or timedelta) are deleted by
     # `manage.py distlock_purge`; None keeps them forever.
     "DISTLOCK_AUDIT_RETENTION": 30 * 24 * 3600.0,
+    # distlock.contrib.prometheus: dotted path of the function that turns a lock name
+    # into the `lock` label of the metrics (its pattern: invoice:42 -> invoice:*), so the
+    # label set stays bounded however many names are locked.
+    "DISTLOCK_METRICS_NAME_PATTERN": "distlock.contrib.prometheus.labels.name_pattern",
 }
 
 

@@ -15,6 +15,7 @@ import os
 import random
 import socket
 import threading
+import time
 from typing import Any
 
 from django.db import DatabaseError, connections
@@ -62,7 +63,10 @@ def wait_limit(timeout: Seconds | None) -> float | None:
 class Request:
     """One acquire's arguments, checked before any SQL, and the owner id of its grant."""
 
-    __slots__ = ("alias", "description", "name", "owner", "seconds", "ttl_us", "wait")
+    __slots__ = (
+        "alias", "began", "blocking", "description", "name", "owner", "seconds", "ttl_us",
+        "wait",
+    )
 
     def __init__(
         self, name: str, ttl: Seconds | None, blocking: bool, timeout: Seconds | None,
@@ -73,6 +77,7 @@ class Request:
         self.wait = wait_limit(timeout)
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
+        self.blocking = blocking
         check_text(holder, "holder")
         self.alias = check_using(using)
         # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of
@@ -80,6 +85,9 @@ class Request:
         self.owner = os.urandom(16).hex()
         self.description = describe_holder(holder)
         self.ttl_us = round(self.seconds * 1e6)
+        # When the caller asked: the start of the wait that lock_acquired and
+        # lock_not_acquired report (one clock read per acquire, not per try).
+        self.began = time.monotonic()
 
     @property
     def doing(self) -> str:
@@ -113,6 +121,24 @@ def try_once(request: Request) -> Grant | Busy:
         return Busy(token=0, holder="", remaining_us=None)
 
 
+def gives_up(request: Request, left: float | None) -> bool:
+    """After a busy try: True if the acquire returns None now (``lock_not_acquired`` sent).
+
+    It gives up when it may not wait (``blocking=False``) or its ``timeout`` has run out.
+    The sync and async loops both ask here, so the signal means the same for both.
+    ``timed_out`` is False for an acquire that was not to wait at all (``blocking=False``
+    or ``timeout=0``: a busy try), True for one that waited its whole timeout.
+    """
+    if request.blocking and (left is None or left > 0):
+        return False
+    signals.lock_not_acquired.send(
+        sender=Lease, name=request.name, using=request.alias,
+        timed_out=bool(request.blocking and request.wait),
+        waited=time.monotonic() - request.began,
+    )
+    return True
+
+
 def pause_before_retry(attempt: int, busy: Busy, left: float | None) -> float:
     """Jittered exponential back-off, never past the deadline or the holder's expiry."""
     base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
@@ -129,7 +155,9 @@ def grant_lease(request: Request, started: float, result: Grant) -> Lease:
     """The Lease of a committed grant, announced with ``lock_acquired``.
 
     ``started`` is the monotonic time before the granting request left: the lease's local
-    deadline counts from it, so it never ends later than the database's expiry.
+    deadline counts from it, so it never ends later than the database's expiry. The
+    signal's ``waited`` is the time from the call to the start of that try (microseconds
+    when the first try got the lock): no clock read beyond those the acquire makes anyway.
     """
     alias, seconds = request.alias, request.seconds
     lease = Lease._granted(
@@ -138,7 +166,9 @@ def grant_lease(request: Request, started: float, result: Grant) -> Lease:
         holder=request.description,
         deadline=started + seconds - backend_for(connections[alias]).clock_resolution,
     )
-    signals.lock_acquired.send(sender=Lease, lease=lease, took_over=result.took_over)
+    signals.lock_acquired.send(
+        sender=Lease, lease=lease, took_over=result.took_over, waited=started - request.began,
+    )
     return lease
 
 

@@ -100,7 +100,7 @@ def acquire(
     """
     request = Request(name, ttl, blocking, timeout, using, holder)
     uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
-    give_up = None if request.wait is None else time.monotonic() + request.wait
+    give_up = None if request.wait is None else request.began + request.wait
     # The holder's clock starts before the request leaves, so its deadline is never
     # later than the one the database computes.
     started = time.monotonic()
@@ -108,10 +108,12 @@ def acquire(
     if not (blocking and has_queue(request.alias, request.name)):
         result = grants.try_once(request)
         if not blocking and isinstance(result, Busy):
+            grants.gives_up(request, None)
             return None
     if not isinstance(result, Grant):
         with queue_for(request.alias, request.name, give_up) as turn:
             if turn is None:
+                grants.gives_up(request, 0.0)
                 return None
             granted = _wait_in_turn(request, give_up, turn, result if turn.waited == 0 else None)
         if granted is None:
@@ -139,7 +141,7 @@ def _wait_in_turn(
                     return started, result
                 busy = result
             left = None if give_up is None else give_up - time.monotonic()
-            if left is not None and left <= 0:
+            if grants.gives_up(request, left):
                 return None
             if waiter is None:
                 waiter = Waiter(request.alias, request.name, turn.freed)

@@ -90,6 +90,16 @@ def test_atomic_requests_warns():
     assert ids(checks.database_messages("default", "sqlite", entry)) == ["distlock.W001"]
 
 
+def test_atomic_requests_hint_advises_a_second_alias_only_where_it_helps():
+    lite = {**SQLITE_OK, "ATOMIC_REQUESTS": True}
+    (on_sqlite,) = checks.database_messages("default", "sqlite", lite)
+    assert "would not help" in on_sqlite.hint and "DISTLOCK_DATABASE" not in on_sqlite.hint
+    assert "non_atomic_requests" in on_sqlite.hint
+    pg = {"ENGINE": "django.db.backends.postgresql", "NAME": "app", "ATOMIC_REQUESTS": True}
+    (on_pg,) = checks.database_messages("default", "postgresql", pg)
+    assert "DISTLOCK_DATABASE = 'distlock'" in on_pg.hint
+
+
 def test_unknown_vendor_errors():
     assert ids(checks.database_messages("default", "oracle", {})) == ["distlock.E002"]
 

@@ -457,6 +457,40 @@ def test_doctor_independence_of_the_lock_alias():
     assert "ATOMIC_REQUESTS" in atomic[0][1]
 
 
+def test_doctor_gives_no_second_alias_advice_on_sqlite():
+    """On SQLite a second alias of the same file cannot let a lock commit inside a
+    transaction (one writer): the doctor says so instead of advising one."""
+    lite = {"ENGINE": "django.db.backends.sqlite3", "NAME": "/x.sqlite3"}
+    ((level, text),) = independence("default", "sqlite", {"default": lite})
+    assert level == "warn" and "raises TransactionNotAllowed" in text
+    assert "would not help" in text and "DISTLOCK_DATABASE" not in text
+
+
+def test_doctor_says_how_to_turn_sqlite_wal_on(tmp_path):
+    """The warning's own advice, followed, turns it into an ok."""
+    from django.db.utils import ConnectionHandler
+
+    from distlock.backends.sqlite import SQLite
+
+    entry = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "x.sqlite3"),
+             "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 5}}
+    handler = ConnectionHandler({"default": entry})
+    try:
+        found = {message: level for level, message in SQLite().doctor(handler["default"])}
+    finally:
+        handler.close_all()
+    (warning,) = [message for message, level in found.items() if level == "warn"]
+    assert warning.startswith("SQLite journal_mode is delete: WAL lets readers")
+    advice = "OPTIONS['init_command'] = 'PRAGMA journal_mode=WAL;'"
+    assert advice in warning
+    entry["OPTIONS"]["init_command"] = "PRAGMA journal_mode=WAL;"
+    handler = ConnectionHandler({"default": entry})
+    try:
+        assert ("ok", "SQLite journal_mode is wal") in SQLite().doctor(handler["default"])
+    finally:
+        handler.close_all()
+
+
 def test_command_exit_status_from_a_real_process():
     """manage.py exits 1 with the message on stderr: what scripts and cron see."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",

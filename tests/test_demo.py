@@ -23,6 +23,7 @@ from urllib.parse import quote
 import pytest
 from django.conf import settings
 
+from demo_project.bank.interpreter import python_command
 from tests.support.celery_app import broker_url
 from tests.support.processes import ROOT
 
@@ -160,6 +161,17 @@ def test_demo_with_django_tasks_workers(tmp_path, demo_env):
         assert mode["tokens_strictly_increasing"] and len(mode["workers"]) == 2
     with pytest.raises(ProcessLookupError):
         os.killpg(json.loads(out.read_text())["process_group"], 0)
+    # The runserver hint names the interpreter that has Django: the one running the demo.
+    assert f"start it with `{python_command(ROOT)} manage.py runserver`" in done.stdout
+
+
+def test_the_runserver_hint_names_the_venv_python(tmp_path, monkeypatch):
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    monkeypatch.setattr(sys, "executable", str(venv_python))
+    assert python_command(tmp_path) == ".venv/bin/python"
+    assert python_command(tmp_path / "elsewhere") == str(venv_python)
+    monkeypatch.setattr(sys, "executable", "/opt/my python/bin/python3")
+    assert python_command(tmp_path) == "'/opt/my python/bin/python3'"
 
 
 def test_ctrl_c_stops_the_workers(tmp_path, demo_env):

@@ -22,8 +22,8 @@ import subprocess
 import pytest
 from django.db import connections
 
-from tests.stress.checker import Volume, check
-from tests.stress.harness import ROOT, Profile, run
+from tests.stress.checker import Report, Volume, check
+from tests.stress.harness import ROOT, Outcome, Profile, run
 
 # -- the checker on hand-made histories ---------------------------------------------------
 
@@ -206,9 +206,32 @@ def vendor() -> str:
 
 def show(capsys: pytest.CaptureFixture[str], outcome) -> None:
     with capsys.disabled():
-        print(f"\n{outcome.line()}")
+        print(f"\n{outcome.line()}\n  {outcome.verdict()}")
         if outcome.artifacts:
             print(f"  histories and table dumps kept in {outcome.artifacts}")
+
+
+def test_control_runs_say_their_violations_are_expected():
+    """A self-test's violations are its point: its output says so, and says when the
+    checker missed them; a real run's violations are not excused."""
+    found = Report()
+    found.add("c", "a stale write was accepted")
+
+    def outcome(profile: Profile, report: Report) -> Outcome:
+        return Outcome(seed=1, profile=profile, report=report, vendor="sqlite",
+                       seconds=12.0, nemesis=[])
+
+    fencing_off = outcome(Profile(fencing=False), found)
+    assert "CONTROL RUN (violations expected)" in fencing_off.line()
+    assert fencing_off.verdict() == (
+        "control run: 1 violations EXPECTED and found (fencing is OFF, so stale holders' "
+        "writes go through: the checker must report violations (c)/(d)); the checker works"
+    )
+    blind = outcome(Profile(weak_clock=True), Report()).verdict()
+    assert blind.startswith("control run: NO violations found") and "missed" in blind
+    real = outcome(Profile(), found)
+    assert "CONTROL" not in real.line() and real.verdict() == "1 VIOLATIONS"
+    assert outcome(Profile(), Report()).verdict() == "no violations"
 
 
 @pytest.mark.slow
@@ -248,6 +271,7 @@ def test_self_test_fencing_off_is_caught(lock_db, capsys):
     show(capsys, outcome)
     found = outcome.report.by_check()
     assert found["c"] + found["d"] > 0, "the checker missed unfenced stale writes"
+    assert outcome.verdict().endswith("the checker works")
 
 
 @SELF_TEST
@@ -262,3 +286,4 @@ def test_self_test_weak_clock_is_caught(lock_db, capsys):
     outcome = run(profile, seed(), keep_on="never")
     show(capsys, outcome)
     assert outcome.report.by_check()["a"] > 0, "the checker missed overlapping leases"
+    assert outcome.verdict().endswith("the checker works")

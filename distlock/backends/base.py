@@ -158,6 +158,15 @@ class Backend(TokenFloorSQL):
         """Raise TransactionNotAllowed if ``other``'s open transaction would block every
         write on ``connection`` (``single_writer`` databases only)."""
 
+    def own_connection_advice(self, alias: str) -> str:
+        """How to lock while your code is in a transaction on ``alias``, the lock alias
+        (distlock_doctor, distlock.W001): give distlock a second alias of its own."""
+        return (
+            f"Give distlock its own connection: DATABASES['distlock'] = "
+            f"{{**DATABASES[{alias!r}], 'ATOMIC_REQUESTS': False}} and "
+            "DISTLOCK_DATABASE = 'distlock'."
+        )
+
     def independence_warning(self, alias: str, others: list[str]) -> str | None:
         """distlock_doctor: why the lock alias, its own connection to the database of
         ``others``, still cannot lock inside their transactions (None: it can)."""

@@ -62,6 +62,15 @@ class SQLite(Backend):
                 "lock would wait for your transaction to end. Lock outside the transaction."
             )
 
+    def own_connection_advice(self, alias: str) -> str:
+        """A second alias does not help here (see :meth:`refuse_shared_writer`)."""
+        return (
+            "A second alias for the same SQLite file would not help: SQLite lets one "
+            "connection write at a time, so a lock taken inside your transaction would "
+            "wait for it to end. Take locks outside transactions (or use PostgreSQL or "
+            "MariaDB/MySQL, where a second alias works)."
+        )
+
     def independence_warning(self, alias: str, others: list[str]) -> str | None:
         return (
             f"the lock alias {alias!r} is its own connection, but to the same SQLite file "
@@ -115,7 +124,10 @@ class SQLite(Backend):
             found.append((OK, "SQLite journal_mode is wal"))
         else:
             found.append((WARN, f"SQLite journal_mode is {journal}: WAL lets readers (the "
-                                "admin) run while a lock is being written"))
+                                "admin) run while a lock is being written. Turn it on with "
+                                "OPTIONS['init_command'] = 'PRAGMA journal_mode=WAL;' in "
+                                "this DATABASES entry (or once: sqlite3 FILE 'PRAGMA "
+                                "journal_mode=WAL;' — the file keeps it)"))
         return found
 
 

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         teardown_databases(old, verbosity=0)
     report = outcome.report
     print(outcome.line())
+    print(outcome.verdict())
     print(
         f"figures: {report.grants / options.seconds:.1f} grants/s, "
         f"{report.writes / options.seconds:.1f} accepted writes/s, "

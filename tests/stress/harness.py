@@ -72,6 +72,20 @@ class Profile:
     def names(self) -> list[str]:
         return [f"{self.prefix}:{index}" for index in range(self.locks)]
 
+    def control(self) -> str | None:
+        """What a control run (a self-test with a safety turned off) must show, or None.
+
+        Its violations are the point: they prove the checker sees what it is meant to
+        catch. Said in its output, so nobody reads them as a failure of distlock.
+        """
+        if not self.fencing:
+            return ("fencing is OFF, so stale holders' writes go through: the checker must "
+                    "report violations (c)/(d)")
+        if self.weak_clock:
+            return ("the acquire uses a WEAK clock (read when the call began), so leases "
+                    "overlap: the checker must report violations (a)")
+        return None
+
 
 @dataclass
 class Outcome:
@@ -88,13 +102,30 @@ class Outcome:
         for event in self.nemesis:
             actions[event["action"]] = actions.get(event["action"], 0) + 1
         faults = " ".join(f"{key}={value}" for key, value in sorted(actions.items()))
+        control = " CONTROL RUN (violations expected)" if self.profile.control() else ""
         return (
-            f"distlock stress [{self.vendor}] seed={self.seed} workers={self.profile.workers} "
+            f"distlock stress{control} [{self.vendor}] seed={self.seed} "
+            f"workers={self.profile.workers} "
             f"locks={self.profile.locks} ttl={self.profile.ttl}s "
             f"fencing={'on' if self.profile.fencing else 'OFF'} "
             f"clock={'WEAK' if self.profile.weak_clock else 'db-real-time'} "
             f"{self.seconds:.0f}s: {self.report.summary()} | nemesis: {faults or 'none'}"
         )
+
+    def verdict(self) -> str:
+        """One line: did the run show what it is meant to?
+
+        A normal run must have no violation; a control run (:meth:`Profile.control`) must
+        have some — violations there are expected, and none means the checker is blind.
+        """
+        control = self.profile.control()
+        found = len(self.report.violations)
+        if control is None:
+            return "no violations" if found == 0 else f"{found} VIOLATIONS"
+        if found:
+            return (f"control run: {found} violations EXPECTED and found ({control}); "
+                    "the checker works")
+        return f"control run: NO violations found, but {control}: the checker missed them"
 
 
 # -- ground truth in the database ----------------------------------------------------------

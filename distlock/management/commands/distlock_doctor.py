@@ -118,11 +118,11 @@ def independence(
         if other != alias and same_settings(databases[other], mine)
     ]
     if not others:
+        backend = backend_named(vendor)
+        advice = "" if backend is None else " " + backend.own_connection_advice(alias)
         results.append((WARN, f"the lock alias {alias!r} is the connection your code uses: "
                               f"locking inside transaction.atomic() on {alias!r} raises "
-                              "TransactionNotAllowed. Add DATABASES['distlock'] = "
-                              f"{{**DATABASES[{alias!r}]}} and DISTLOCK_DATABASE = 'distlock'"
-                              " if you need to"))
+                              f"TransactionNotAllowed.{advice}"))
     elif warning := _independence_warning(vendor, alias, others):
         results.append((WARN, warning))
     else:

@@ -22,6 +22,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from demo_project.bank.interpreter import python_command
 from demo_project.bank.workers import RUNNERS, Workers
 from distlock import acquire
 
@@ -123,7 +124,8 @@ class Command(BaseCommand):
             + (f"broker {settings.CELERY_BROKER_URL}\n" if runner == "celery" else
                "tasks in the database (django-tasks-db)\n")
             + f"  admin: http://127.0.0.1:8000/admin/ (login {ADMIN_USER} / {ADMIN_PASSWORD};"
-            " start it with `python manage.py runserver`) shows the locks while this runs"
+            f" start it with `{python_command()} manage.py runserver`) shows the locks while"
+            " this runs"
         )
         previous = signal.signal(signal.SIGTERM, _interrupt)
         pool = Workers(workers, queue, folder, options["ttl"], runner)
