@@ -23,7 +23,10 @@ A's blocked call fails within the bound its connection settings give it (``BOUND
 ``tcp_user_timeout`` while data is unacknowledged, keepalives while it waits for an
 answer), and a reconnect during the cut within ``connect_timeout``; the probe on the same
 host, with the driver's defaults, is still blocked when the test restores the link. B
-acquires once A's lease has expired by the database clock, and writes. After the link is
+acquires once A's lease has expired by the database clock, and writes — with the commit
+lost, only once the server has dropped A's session and rolled back its open transaction
+(A's sessions ask the server for bounds longer than its lease, ``A_OPTIONS``, so that
+this wait shows). After the link is
 restored, A's fenced write is refused, its renewal raises LockLost and its release
 returns False. The history checker (tests/stress/checker.py) judges the lock history,
 the table and the clients' histories, A's in-flight write being indeterminate:
@@ -79,6 +82,10 @@ SERVER_SETTINGS = (
     "tcp_keepalives_idle = 1\ntcp_keepalives_interval = 1\ntcp_keepalives_count = 2\n"
     "tcp_user_timeout = 2000\n"
 )
+# A's own sessions ask the server for longer bounds (keepalive idle 4 s, unacknowledged
+# data 6 s) than A's 3 s lease, so that with the commit lost the take-over has to wait for
+# the server to drop them.
+A_OPTIONS = {**BOUNDED, "options": "-c tcp_keepalives_idle=4 -c tcp_user_timeout=6000"}
 GATE = 2316  # the advisory lock key of the COMMIT gate
 GATE_SQL = [
     "CREATE FUNCTION partition_gate() RETURNS trigger LANGUAGE plpgsql AS "
@@ -199,7 +206,7 @@ def ask(child: Child, command: str, **data: Any) -> dict[str, Any]:
 def test_a_cut_off_holder_is_fenced_after_the_take_over(lost, hosts, server, processes,
                                                         capsys):
     a_host = hosts["a"]
-    a = start(processes, server, a_host, "holder", "A", NAME, options=BOUNDED)
+    a = start(processes, server, a_host, "holder", "A", NAME, options=A_OPTIONS)
     b = start(processes, server, hosts["b"], "holder", "B", NAME, options=BOUNDED)
     probe = start(processes, server, a_host, "probe", "P", options={})
     history = History()
@@ -230,17 +237,10 @@ def test_a_cut_off_holder_is_fenced_after_the_take_over(lost, hosts, server, pro
             "SELECT 1 FROM stressapp_write WHERE op_id = 'A:2'"), 10,
             "A's write to be committed", every=0.02)
     probe.send("query")  # with libpq's defaults, on the cut link
-    b.send("acquire", ttl=TTL, timeout=20)
-    # The server gives up on A's session (its keepalives / tcp_user_timeout); until then a
-    # transaction A left open keeps its row locks.
-    wait_until(lambda: not server.query(
-        "SELECT 1 FROM pg_stat_activity WHERE application_name = 'distlock-worker-host-A'"),
-        20, "the server to drop A's session", every=0.02)
-    dropped_after = time.monotonic() - cut_at
+    b.send("acquire", ttl=10, timeout=20)
 
     # A's blocked COMMIT fails within its connection settings' bound: indeterminate.
     failed = a.expect("dberror", timeout=20)
-    failed_after = time.monotonic() - cut_at
     history.wrote("A", "A:2", lease_a["token"], failed)
     # A reconnect while cut off fails within connect_timeout.
     a.send("renew")
@@ -250,13 +250,26 @@ def test_a_cut_off_holder_is_fenced_after_the_take_over(lost, hosts, server, pro
     history.acquired("B", lease_b)
     assert lease_b["token"] > lease_a["token"]
     assert lease_b["acquired_us"] >= lease_a["expires_us"]
+    waited = (lease_b["acquired_us"] - lease_a["expires_us"]) / 1e6
+    if lost == "commit":
+        # A's transaction was open on the server, its fenced check's shared lock on the
+        # lock row with it: B's grant waited for the server to drop A's session.
+        assert waited > 1.0, waited
+    else:
+        assert waited < 1.0, waited
     b.send("write", op_id="B:1")
     history.wrote("B", "B:1", lease_b["token"], b.expect("written"))
+    # The server gives up on A's session (keepalives / tcp_user_timeout); until then a
+    # transaction A left open keeps its row locks (with the commit lost, B waited for it).
+    wait_until(lambda: not server.query(
+        "SELECT 1 FROM pg_stat_activity WHERE application_name = 'distlock-worker-host-A'"),
+        20, "the server to drop A's session", every=0.02)
+    dropped_after = time.monotonic() - cut_at
 
     # The probe on the same host, with the driver's defaults, is still blocked.
     blocked_for = time.monotonic() - cut_at
     assert probe.events.empty(), probe.events.queue
-    assert blocked_for > failed_after
+    assert blocked_for > failed["seconds"]
     a_host.restore()
     restored_at = time.monotonic()
     answer = probe.next_event(timeout=60)
@@ -279,17 +292,16 @@ def test_a_cut_off_holder_is_fenced_after_the_take_over(lost, hosts, server, pro
     with capsys.disabled():
         print(
             f"\ndistlock partition [{lost} lost]: history: {report.summary()}\n"
-            f"  A's blocked COMMIT failed {failed['seconds']:.1f} s after it was sent "
-            f"({failed_after:.1f} s after the cut; {failed['kind']}: "
-            f"{failed['error'].splitlines()[0][:80]}); "
-            f"A's reconnect during the cut failed after {reconnect['seconds']:.1f} s "
-            f"(connect_timeout={BOUNDED['connect_timeout']}); the server dropped A's session "
+            f"  A's blocked COMMIT failed {failed['seconds']:.1f} s after it was sent: "
+            f"{failed['cause']}; "
+            f"A's reconnect during the cut failed after {reconnect['seconds']:.1f} s: "
+            f"{reconnect['cause']}; the server dropped A's session "
             f"{dropped_after:.1f} s after the cut; B granted "
-            f"{(lease_b['acquired_us'] - lease_a['expires_us']) / 1e3:.0f} ms after A's lease "
+            f"{waited:.3f} s after A's lease "
             f"expired (database clock); the probe with libpq's defaults still blocked "
             f"{blocked_for:.1f} s after the cut, then {answer['event']} "
             f"{probe_after_restore:.1f} s after the link came back (its call took "
-            f"{answer['seconds']:.1f} s: {answer.get('error', '').splitlines()[0][:60]})"
+            f"{answer['seconds']:.1f} s: {answer.get('cause', '')})"
         )
     assert report.ok, report.describe()
     assert (report.indeterminate, report.indeterminate_applied) == (1, int(lost == "reply"))

@@ -28,6 +28,15 @@ class _Timer:
         return round(time.monotonic() - self.started, 3)
 
 
+def first_error(exc: BaseException) -> str:
+    """The first error of the chain ``exc`` ends: after a failed COMMIT, Django's atomic()
+    reconnects to restore autocommit, so what the caller catches is that reconnect's error
+    and the COMMIT's own ("Connection timed out": a TCP timeout) is at the chain's start."""
+    while exc.__context__ is not None:
+        exc = exc.__context__
+    return str(exc).splitlines()[0][:200]
+
+
 def holder(label: str, name: str) -> None:
     """Commands: ``acquire`` (ttl, timeout), ``write`` (op_id; ``wait``: hold the
     transaction open after the write, report ``uncommitted`` and commit on the next
@@ -81,7 +90,7 @@ def holder(label: str, name: str) -> None:
             emit("stale", error=str(exc)[:200], seconds=timer.seconds())
         except DatabaseError as exc:
             emit("dberror", kind=type(exc).__name__, error=str(exc)[:300],
-                 seconds=timer.seconds())
+                 cause=first_error(exc), seconds=timer.seconds())
             drop_broken_connections()
 
 
@@ -103,7 +112,7 @@ def probe(label: str) -> None:
                 cursor.fetchone()
         except DatabaseError as exc:
             emit("dberror", kind=type(exc).__name__, error=str(exc)[:300],
-                 seconds=timer.seconds())
+                 cause=first_error(exc), seconds=timer.seconds())
             drop_broken_connections()
         else:
             emit("answered", seconds=timer.seconds())
