@@ -309,4 +309,7 @@ def test_a_cut_off_holder_is_fenced_after_the_take_over(lost, hosts, server, pro
     # The bounds: tcp_user_timeout (2 s) for the unacknowledged COMMIT, keepalives
     # (1 s idle + 2 × 1 s) for the acknowledged one waiting for its answer; connect_timeout
     # 2 s. Generous margins: the point is seconds, not the kernel's minutes.
-    assert failed["seconds"] < 8 and reconnect["seconds"] < 5
+    assert failed["seconds"] < 8 and "timed out" in failed["cause"], failed
+    assert reconnect["seconds"] < 5 and "timeout expired" in reconnect["cause"], reconnect
+    # The probe heard nothing until the link came back.
+    assert answer["seconds"] > failed["seconds"], answer
