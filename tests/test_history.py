@@ -183,6 +183,54 @@ def test_no_liveness_or_no_volume_is_reported_as_e():
     assert letters(history) == {"e"}, "a vacuous run must not pass"
 
 
+def with_indeterminate_write(applied: bool) -> dict:
+    """The clean history plus a write by token 2 whose client never heard how it ended
+    (the network was cut during its COMMIT): in the table or not, as ``applied`` says."""
+    history = clean_history()
+    history["client"].append({"type": "write", "status": "info", "worker": "w1",
+                              "lock": "r", "op_id": "w1:2", "token": 2})
+    if applied:
+        history["writes"].append(
+            {"name": "r", "version": 3, "op_id": "w1:2", "worker": "w1", "token": 2,
+             "read_value": 2, "new_value": 3, "before_us": 12 * S + 200,
+             "after_us": 12 * S + 300})
+        history["resources"]["r"].update(value=3, version=3)
+    return history
+
+
+@pytest.mark.parametrize("applied", [False, True], ids=["absent", "applied"])
+def test_an_indeterminate_write_is_accepted_either_way(applied):
+    report = check(**with_indeterminate_write(applied))
+    assert report.ok, report.describe()
+    assert (report.indeterminate, report.indeterminate_applied) == (1, int(applied))
+    assert f"indeterminate=1 ({int(applied)} applied)" in report.summary()
+
+
+def test_an_indeterminate_write_is_still_checked_when_applied():
+    """Not knowing the outcome excuses a missing row, never a bad one."""
+    history = with_indeterminate_write(applied=True)
+    history["writes"][2].update(before_us=13 * S, after_us=13 * S + 100)  # lease 2 expired
+    found = check(**history)
+    assert set(found.by_check()) == {"c"}, found.describe()
+    assert "outside its lease" in found.describe()
+    # A stale holder's write (token 1) that went through after token 2's: the token went
+    # backwards, and it was made outside token 1's lease.
+    history = with_indeterminate_write(applied=True)
+    history["client"][-1]["token"] = 1
+    history["writes"][2]["token"] = 1
+    found = check(**history)
+    assert set(found.by_check()) == {"c"}, found.describe()
+    assert "accepted token 1 after token 2" in found.describe()
+    # The row's token is not the one its client held.
+    history = with_indeterminate_write(applied=True)
+    history["client"][-1]["token"] = 1
+    assert "but its client held token 1" in check(**history).describe()
+    # An acknowledged write missing from the table is still lost (d).
+    history = with_indeterminate_write(applied=False)
+    history["client"][-1]["status"] = "ok"
+    assert set(check(**history).by_check()) == {"d"}
+
+
 # -- the harness on the configured backend ---------------------------------------------------
 
 

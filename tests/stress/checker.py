@@ -23,6 +23,14 @@ The checks, lettered as in issue 6 and anchors-reliability.md §5.4:
 (e) liveness after healing, and a minimum volume: a run that did too little to show
     anything is reported as a violation ("vacuous"), never as a pass.
 
+Indeterminate writes: a write whose client never heard how it ended (status ``info``: the
+connection broke or the network was cut while the call ran — the COMMIT may never have
+reached the server, or reached it and its answer was lost) may or may not be in the
+table, and both are accepted: absent, it is not a lost write (d); present, it is judged
+like every other row by (c) and (d) — inside its lease, no lower token after a higher
+one, the previous write's value read — and its token must be the one its client held.
+The report counts them and how many were applied.
+
 Nothing here reads a clock: every comparison is between database timestamps.
 """
 
@@ -73,6 +81,7 @@ class Report:
     stale_refused: int = 0
     acknowledged: int = 0
     indeterminate: int = 0
+    indeterminate_applied: int = 0
     violations: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, check: str, message: str) -> None:
@@ -91,6 +100,7 @@ class Report:
         return (
             f"grants={self.grants} renewals={self.renewals} writes={self.writes} "
             f"acknowledged={self.acknowledged} indeterminate={self.indeterminate} "
+            f"({self.indeterminate_applied} applied) "
             f"stale_writes_refused={self.stale_refused} "
             f"violations={len(self.violations)}" + (f" ({detail})" if detail else "")
         )
@@ -159,17 +169,25 @@ def check_overlap(leases: Mapping[str, list[Lease]], report: Report) -> None:
                 )
 
 
+@dataclass
+class Ops:
+    """The clients' writes by outcome (op ids), and the token each op was made with."""
+
+    acknowledged: set[str] = field(default_factory=set)
+    rejected: set[str] = field(default_factory=set)
+    unknown: set[str] = field(default_factory=set)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
 def check_client(
     client: Iterable[Row], leases: Mapping[str, list[Lease]], report: Report
-) -> tuple[set[str], set[str], set[str]]:
-    """(b) client side: no phantom lease, per-worker tokens increase. Returns op ids."""
+) -> Ops:
+    """(b) client side: no phantom lease, per-worker tokens increase. Returns the writes."""
     granted = {
         (name, lease.token): lease for name, ordered in leases.items() for lease in ordered
     }
     per_worker: dict[tuple[str, str], int] = {}
-    acknowledged: set[str] = set()
-    rejected: set[str] = set()
-    unknown: set[str] = set()
+    ops = Ops()
     for event in client:
         kind, status = event.get("type"), event.get("status")
         if kind == "acquire" and status == "ok":
@@ -201,35 +219,40 @@ def check_client(
                     "never recorded"
                 )
         elif kind == "write":
+            if event.get("token") is not None:
+                ops.tokens[event["op_id"]] = int(event["token"])
             if status == "ok":
-                acknowledged.add(event["op_id"])
+                ops.acknowledged.add(event["op_id"])
             elif status == "rejected":
                 report.stale_refused += 1
-                rejected.add(event["op_id"])
+                ops.rejected.add(event["op_id"])
             elif status == "info":
-                unknown.add(event["op_id"])
-    report.acknowledged = len(acknowledged)
-    report.indeterminate = len(unknown)
-    return acknowledged, rejected, unknown
+                ops.unknown.add(event["op_id"])
+    report.acknowledged = len(ops.acknowledged)
+    report.indeterminate = len(ops.unknown)
+    return ops
 
 
 def check_writes(
     writes: Iterable[Row], resources: Mapping[str, Row], leases: Mapping[str, list[Lease]],
-    acknowledged: set[str], rejected: set[str], report: Report,
+    ops: Ops, report: Report,
 ) -> None:
-    """(c) tokens and leases of accepted writes; (d) nothing lost, nothing duplicated."""
+    """(c) tokens and leases of accepted writes; (d) nothing lost, nothing duplicated.
+    Indeterminate ops are in ``writes`` or not: either is accepted, and a present one is
+    checked as any row is."""
     by_lock: dict[str, list[Row]] = defaultdict(list)
     op_count: Counter[str] = Counter()
     for row in writes:
         by_lock[row["name"]].append(row)
         op_count[row["op_id"]] += 1
     report.writes = sum(op_count.values())
+    report.indeterminate_applied = len(ops.unknown & set(op_count))
     for op_id, count in op_count.items():
         if count > 1:
             report.add("d", f"op {op_id} was applied {count} times")
-        if op_id in rejected:
+        if op_id in ops.rejected:
             report.add("c", f"op {op_id} was refused to its client but is in the table")
-    for op_id in sorted(acknowledged - set(op_count)):
+    for op_id in sorted(ops.acknowledged - set(op_count)):
         report.add("d", f"op {op_id} was acknowledged but its write is not in the table")
     for name in sorted(set(by_lock) | set(resources)):
         rows = sorted(by_lock.get(name, []), key=lambda row: row["version"])
@@ -250,6 +273,10 @@ def check_writes(
             if row["new_value"] != row["read_value"] + 1:
                 report.add("d", f"{name}: op {row['op_id']} wrote {row['new_value']} "
                            f"after reading {row['read_value']}")
+            held = ops.tokens.get(row["op_id"])
+            if held is not None and held != token:
+                report.add("c", f"{name}: op {row['op_id']} is in the table with token "
+                           f"{token}, but its client held token {held}")
             if previous is not None and token < int(previous["token"]):
                 report.add(
                     "c", f"{name}: version {row['version']} accepted token {token} after "
@@ -303,8 +330,8 @@ def check(
     report = Report()
     leases = leases_from(lock_history, report)
     check_overlap(leases, report)
-    acknowledged, rejected, _ = check_client(client, leases, report)
-    check_writes(writes, resources, leases, acknowledged, rejected, report)
+    ops = check_client(client, leases, report)
+    check_writes(writes, resources, leases, ops, report)
     for name, waited in sorted(liveness.items()):
         if waited is None or waited > live_within:
             report.add("e", f"{name}: not acquirable within {live_within} s after healing "

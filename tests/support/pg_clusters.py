@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +95,17 @@ class Server:
     """A throw-away PostgreSQL cluster on 127.0.0.1:<port>, database ``distlock``.
 
     ``settings`` are postgresql.conf lines added to the defaults below (later lines win).
+    ``listen``: more addresses to listen on (the partition test's veth addresses), and
+    ``networks``: the CIDRs whose clients it trusts besides 127.0.0.1.
     """
 
-    def __init__(self, settings: str = "", label: str = "pg") -> None:
+    def __init__(self, settings: str = "", label: str = "pg", *, listen: Sequence[str] = (),
+                 networks: Sequence[str] = ()) -> None:
         self.bin = pg_bin()
         self.account = _server_user()
         self.settings = settings
+        self.listen = tuple(listen)
+        self.networks = tuple(networks)
         self.dir = Path(tempfile.mkdtemp(prefix=f"distlock-{label}-"))
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
@@ -132,7 +138,8 @@ class Server:
 
     def own_settings(self) -> str:
         return (
-            f"\nlisten_addresses = '127.0.0.1'\nport = {self.port}\n"
+            f"\nlisten_addresses = '{','.join(('127.0.0.1', *self.listen))}'\n"
+            f"port = {self.port}\n"
             f"unix_socket_directories = '{self.dir}'\n"
             # A crash here is the server process dying, never the machine: what the
             # server wrote is in the OS's cache either way.
@@ -149,6 +156,8 @@ class Server:
             "--no-sync", "--locale=C",
         )
         self.configure(self.own_settings())
+        with open(self.data / "pg_hba.conf", "a") as hba:
+            hba.writelines(f"host all all {network} trust\n" for network in self.networks)
         self.pg_ctl("start")
         with self.connect("postgres") as admin:
             admin.execute(f"CREATE DATABASE {DATABASE}")
@@ -248,6 +257,19 @@ class Server:
     def _hba(self, content: str) -> None:
         (self.data / "pg_hba.conf").write_text(content)
         self.query("SELECT pg_reload_conf()", local=True)
+
+
+def stop_leftovers(label: str) -> None:
+    """Stop the servers that a killed run left behind (by the postmaster's PID in each
+    ``distlock-LABEL-*`` folder) and remove their folders, so a rerun starts clean."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"distlock-{label}-*")):
+        pid_file = Path(folder) / "data" / "postmaster.pid"
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            pid = int(pid_file.read_text().split()[0])
+            if "postgres" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                os.kill(pid, signal.SIGQUIT)
+                wait_until(lambda pid=pid: not _alive(pid), 30, f"postmaster {pid} to exit")
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

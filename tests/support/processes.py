@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,15 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Child:
-    def __init__(self, role: str, *args: Any, env: dict[str, str] | None = None) -> None:
+    """``python -m tests.support.worker ROLE ARGS``; ``prefix`` runs it through another
+    program that execs it (``ip netns exec NS``: a worker on another "host"), so the
+    process is still the one this object signals and kills."""
+
+    def __init__(self, role: str, *args: Any, env: dict[str, str] | None = None,
+                 prefix: Sequence[str] = ()) -> None:
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.worker", role, json.dumps(args)],
+            [*prefix, sys.executable, "-m", "tests.support.worker", role, json.dumps(args)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=child_env(**(env or {})), cwd=ROOT, start_new_session=True,
         )

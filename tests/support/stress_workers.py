@@ -25,6 +25,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 HOLDS = ((0.7, 0.0, 0.05), (0.2, 0.05, 0.3))  # (probability, min s, max s); else > ttl
@@ -91,9 +92,27 @@ def weaken_clock(rng: random.Random) -> None:
     grants.try_once = try_once
 
 
+def drop_broken_connections() -> None:
+    """After a database error: drop every connection that broke (terminated backend,
+    server restart, network cut), so the next call opens a new one, as a worker outside
+    Django's request cycle must do itself."""
+    import django.db
+    from django.db import connections
+
+    django.db.close_old_connections()
+    for alias in connections:
+        connection = connections[alias]
+        if connection.connection is not None and not connection.is_usable():
+            connection.close()
+
+
 def write(lease: Any, name: str, read_value: int, op_id: str, worker: str,
-          fencing: bool) -> int:
-    """The guarded write and its ground-truth row, in one transaction. Returns the version."""
+          fencing: bool, before_commit: Callable[[], None] | None = None) -> int:
+    """The guarded write and its ground-truth row, in one transaction. Returns the version.
+
+    ``before_commit`` runs last inside the transaction: the partition test
+    (tests/test_partition.py) holds the transaction open there while it cuts the network.
+    """
     from django.db import transaction
     from django.db.models import F
 
@@ -113,14 +132,15 @@ def write(lease: Any, name: str, read_value: int, op_id: str, worker: str,
             read_value=read_value, new_value=read_value + 1, before_us=before,
             after_us=db_now_us("default"),
         )
+        if before_commit is not None:
+            before_commit()
     return version
 
 
 def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
         fencing: bool = True, weak_clock: bool = False, limit: float = 600.0,
         pause_after_error: float = 0.0) -> None:
-    import django.db
-    from django.db import DatabaseError, connections
+    from django.db import DatabaseError
 
     from distlock import acquire
     from distlock.exceptions import LockLost, StaleToken
@@ -142,13 +162,7 @@ def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
 
     def failed(kind: str, exc: BaseException, **fields: Any) -> None:
         record(type=kind, status="info", worker=worker, error=repr(exc)[:300], **fields)
-        # A broken connection (terminated backend, restart) is dropped here; the next
-        # call opens a new one.
-        django.db.close_old_connections()
-        for alias in connections:
-            connection = connections[alias]
-            if connection.connection is not None and not connection.is_usable():
-                connection.close()
+        drop_broken_connections()
         # A client's back-off while its server is down (a failover): not a hot loop of
         # connection attempts.
         time.sleep(pause_after_error)
@@ -222,8 +236,7 @@ def agent(label: str, name: str) -> None:
     events with the exception's class, and the broken connection is dropped, as a real
     worker outside the request cycle must do.
     """
-    import django.db
-    from django.db import DatabaseError, connections, transaction
+    from django.db import DatabaseError, transaction
     from django.db.models import F
 
     from distlock import LockLost, acquire
@@ -236,11 +249,7 @@ def agent(label: str, name: str) -> None:
 
     def dberror(exc: BaseException) -> None:
         emit("dberror", kind=type(exc).__name__, error=str(exc)[:300])
-        django.db.close_old_connections()
-        for alias in connections:
-            connection = connections[alias]
-            if connection.connection is not None and not connection.is_usable():
-                connection.close()
+        drop_broken_connections()
 
     def fenced_write(wait: bool) -> None:
         with transaction.atomic():
