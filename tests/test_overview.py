@@ -12,8 +12,7 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from distlock import acquire
-from distlock import overview
+from distlock import acquire, overview
 from distlock.audit import record
 from distlock.db import db_now_us
 from distlock.models import LockEvent
