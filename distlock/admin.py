@@ -1,5 +1,6 @@
-"""Admin pages: the lock table (read-only, with a guarded "break" action) and the audit
-history.
+"""Admin pages: the lock table (read-only, with a guarded "break" action and a Break
+button on a held lock's page) and its overview page; the audit history's pages are in
+:mod:`distlock.admin_events`, the overview's view in :mod:`distlock.admin_overview`.
 
 Nothing here writes lock rows directly. Breaking goes through :func:`distlock.break_lock`
 with the owner and token the confirmation page showed, so tokens keep increasing, the
@@ -26,6 +27,7 @@ from django.utils.http import urlencode
 from django.utils.translation import gettext
 
 from distlock import admin_overview
+from distlock.admin_paging import CappedPaginator
 from distlock.conf import conf
 from distlock.display import (
     badge,
@@ -95,6 +97,7 @@ class LockAdmin(_LockAdminBase):
     # counts would scan it once per filter choice (benchmarks/rows.py).
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
+    paginator = CappedPaginator
     actions = ["break_selected"]
     # Tuples: django-stubs types fields and readonly_fields differently, and only a tuple
     # (immutable, so covariant) suits both.

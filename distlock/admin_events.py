@@ -14,10 +14,11 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from distlock.admin_paging import CappedPaginator
 from distlock.conf import conf
+from distlock.db import db_now_us
 from distlock.display import badge, cut, precise, when
 from distlock.models import LockEvent
-from distlock.status import database_now
 
 if TYPE_CHECKING:
     _LockEventAdminBase = admin.ModelAdmin[LockEvent]
@@ -41,7 +42,9 @@ class AgeFilter(admin.SimpleListFilter):
         span = self._SPANS.get(self.value() or "")
         if span is None:
             return queryset
-        return queryset.filter(at_us__gte=database_now(queryset.db) - span * 1_000_000)
+        # The clock read once, not in the query: a per-row clock call (volatile) cannot
+        # bound an index scan, and the at_us index is what keeps 10M events cheap.
+        return queryset.filter(at_us__gte=db_now_us(queryset.db) - span * 1_000_000)
 
 
 @admin.register(LockEvent)
@@ -54,6 +57,7 @@ class LockEventAdmin(_LockEventAdminBase):
     fields = ("at_precise", "kind_badge", "name", "token", "owner", "holder", "by", "detail")
     readonly_fields = fields
     list_per_page = 100
+    paginator = CappedPaginator
 
     class Media:
         css = {"all": ("distlock/admin.css",)}  # the Locks list's stylesheet

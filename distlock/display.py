@@ -18,6 +18,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from distlock.conf import conf
 from distlock.models import Lock, LockEvent
 from distlock.status import EXPIRED, FREE, HELD, relative
 from distlock.times import from_us
@@ -107,7 +108,8 @@ def mark_freed(rows: Iterable[Any], alias: str) -> None:
     free = {row.name: row for row in rows if row.is_free}
     for row in free.values():
         row.freed_by_event = None
-    if not free:
+    if not free or not conf.AUDIT:
+        # With audit off nothing records a freeing: no query, "freed" it is.
         return
     # Each row's own freeing: an event of its name and token recorded at or after its
     # release time; through the name index, one or two events per row.

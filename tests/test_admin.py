@@ -634,3 +634,33 @@ def test_history_of_a_missing_lock_or_without_permission(su_client, settings, dj
     nobody = Client()
     nobody.force_login(user_with(django_user_model, "nobody"))
     assert nobody.get(reverse("admin:distlock_lock_history", args=["secret"])).status_code == 403
+
+
+def test_a_long_history_is_counted_only_up_to_a_cap(su_client, settings, monkeypatch):
+    """Counting 10M events costs a second per page view: the count stops at a cap."""
+    from distlock.admin_paging import CappedPaginator
+
+    settings.DISTLOCK_AUDIT = True
+    monkeypatch.setattr(CappedPaginator, "CAP", 3)
+    for _ in range(3):
+        acquire("many", ttl=30).release()  # 6 events
+    response = su_client.get(reverse(EVENTS))
+    assert response.context["cl"].result_count == 4  # CAP + 1: "more than"
+    assert len(response.context["cl"].result_list) == 6
+    assert 'id="distlock-count-capped"' in response.content.decode()
+    assert "more than 3 lock events" in response.content.decode()
+    few = su_client.get(reverse(EVENTS), {"kind": "acquired", "q": "many"})
+    assert few.context["cl"].result_count == 3
+    assert "3 lock events" in few.content.decode() and "more than" not in few.content.decode()
+
+
+def test_the_lock_list_counts_up_to_the_cap_too(su_client, monkeypatch):
+    from distlock.admin_paging import CappedPaginator
+
+    monkeypatch.setattr(CappedPaginator, "CAP", 2)
+    for n in range(4):
+        acquire(f"row:{n}", ttl=30).release()
+    response = su_client.get(reverse(CHANGELIST))
+    assert response.context["cl"].result_count == 3
+    assert "more than 2 locks" in response.content.decode()
+    assert result_names(response) == [f"row:{n}" for n in range(4)]

@@ -92,6 +92,7 @@ def test_break_a_lock_in_the_browser(live_server, django_user_model, settings, s
             )
             row = page.locator("#result_list tbody tr", has_text="report:browser")
             expect(row.locator(".distlock-free")).to_have_text("free")
+            expect(row.locator(".field-expires")).to_have_text(re.compile(r"^broken "))
             page.screenshot(path=str(shots / "03-broken.png"), full_page=True)
 
             page.goto(f"{live_server.url}/admin/distlock/lockevent/?kind=broken")

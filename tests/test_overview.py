@@ -38,18 +38,19 @@ def test_held_now_counts_all_and_lists_the_longest_held_first(monkeypatch):
     acquire("held:third", ttl=60)
     expired_lock("held:expired")
     acquire("held:free", ttl=60).release()
-    rows, count = overview.held_now("default", limit=2)
+    now = db_now_us("default")
+    rows, count = overview.held_now("default", now, limit=2)
     assert count == 3
     assert [row.name for row in rows] == ["held:first", "held:second"]
     assert rows[0].token == first.token and rows[0].db_now_us >= rows[0].acquired_us
-    assert overview.held_now("default")[1] == 3
+    assert overview.held_now("default", now)[1] == 3
     first.release()
-    assert overview.held_now("default")[1] == 2
+    assert overview.held_now("default", db_now_us("default"))[1] == 2
 
 
 def test_nothing_held():
     acquire("gone", ttl=60).release()
-    assert overview.held_now("default") == ([], 0)
+    assert overview.held_now("default", db_now_us("default")) == ([], 0)
 
 
 def test_most_contended_in_the_last_hour_from_the_audit(settings):
