@@ -75,7 +75,7 @@ _EVENTS = {
                   "THEN 'stale_write' WHEN i % 3 = 0 THEN 'acquired' WHEN i % 3 = 1 THEN "
                   "'renewed' ELSE 'released' END, 'fill:' || lpad((i % {names})::text, 7, '0'),"
                   " 1, '', 'bench-holder', '', '' FROM generate_series(1, {count}) AS i",
-    "mysql": "INSERT INTO distlock_lockevent (at_us, kind, name, token, owner, holder, by, "
+    "mysql": "INSERT INTO distlock_lockevent (at_us, kind, name, token, owner, holder, `by`, "
              "detail) SELECT {now} - (seq * {step}), CASE WHEN seq % 1000 = 7 THEN "
              "'stale_write' WHEN seq % 3 = 0 THEN 'acquired' WHEN seq % 3 = 1 THEN 'renewed' "
              "ELSE 'released' END, CONCAT('fill:', LPAD(seq % {names}, 7, '0')), 1, '', "
