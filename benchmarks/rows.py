@@ -252,6 +252,9 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
     from distlock.models import Lock
 
     model_admin = admin.site._registry[Lock]
+    # The small table keeps a small history (1,000 events); the large one gets --events.
+    for size, events in zip(sizes, (min(1000, args.events), args.events), strict=True):
+        rows_admin.fill_events(alias(backend, size), events, size)
     small, big = (rows_admin.time_pages(alias(backend, size), args.admin_repeat)
                   for size in sizes)
     tuned = (model_admin.show_full_result_count, model_admin.show_facets)
@@ -261,7 +264,8 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
     finally:
         model_admin.show_full_result_count, model_admin.show_facets = tuned
     s, b = label(sizes[0]), label(sizes[1])
-    print(f"\n| admin ({backend}, median ms) | {s} | {b} | {b}, Django's defaults |\n"
+    print(f"\n| admin ({backend}, median ms; events {min(1000, args.events):,} / "
+          f"{args.events:,}) | {s} | {b} | {b}, Django's defaults |\n"
           "|---|---:|---:|---:|")
     for page in small:
         print(f"| {page} | {small[page]:,.1f} | {big[page]:,.1f} | {defaults[page]:,.1f} |")
@@ -339,12 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-purge", action="store_true", help="skip purge beside acquire")
     parser.add_argument("--no-admin", action="store_true", help="skip the admin pages")
     parser.add_argument("--admin-repeat", type=int, default=5, help="timed fetches per page")
+    parser.add_argument("--events", type=int, default=None,
+                        help="audit events of the large table for the admin pages "
+                             "(default 10,000,000; 20,000 with --quick; 0: none)")
     parser.add_argument("--token-index", action="store_true",
                         help="measure with an index on token (the alternative to the floor)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.firsts, args.cycles, args.big = 1, 30, 50, 20_000
         args.admin_repeat = 1
+    if args.events is None:
+        args.events = 20_000 if args.quick else 10_000_000
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {', '.join(BACKENDS)}")

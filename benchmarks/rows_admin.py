@@ -2,7 +2,9 @@
 
 Server time through Django's test client (no network, no browser), warm: each page is
 fetched twice first, then timed ``repeat`` times; the figure is the median. Also the
-module's ``urlpatterns`` (the benchmark's ROOT_URLCONF).
+module's ``urlpatterns`` (the benchmark's ROOT_URLCONF), and ``fill_events``, which
+gives a table an audit history of a given size (``--events``) for the overview page and
+the Lock events list.
 """
 
 from __future__ import annotations
@@ -51,13 +53,63 @@ def pages() -> dict[str, str]:
     from django.urls import reverse
 
     changelist = reverse("admin:distlock_lock_changelist")
+    events = reverse("admin:distlock_lockevent_changelist")
     return {
         "Locks changelist": changelist,
         "state = held": f"{changelist}?state=held",
         "state = free": f"{changelist}?state=free",
         "search a name": f"{changelist}?q=hot%3A042",
         "a lock's page": reverse("admin:distlock_lock_change", args=[quote("hot:042")]),
+        "overview page": reverse("admin:distlock_overview"),
+        "overview refresh (fragment)": reverse("admin:distlock_overview_fragment"),
+        "Lock events changelist": events,
+        "events: kind = stale write, last hour": f"{events}?kind=stale_write&age=hour",
     }
+
+
+# Events spread evenly over the last 30 days (the default retention) up to now, names
+# from the idle rows, kinds in a grant's proportions; one stale write in a thousand.
+_EVENTS = {
+    "postgresql": "INSERT INTO distlock_lockevent (at_us, kind, name, token, owner, holder, "
+                  "by, detail) SELECT {now} - (i::bigint * {step}), CASE WHEN i % 1000 = 7 "
+                  "THEN 'stale_write' WHEN i % 3 = 0 THEN 'acquired' WHEN i % 3 = 1 THEN "
+                  "'renewed' ELSE 'released' END, 'fill:' || lpad((i % {names})::text, 7, '0'),"
+                  " 1, '', 'bench-holder', '', '' FROM generate_series(1, {count}) AS i",
+    "mysql": "INSERT INTO distlock_lockevent (at_us, kind, name, token, owner, holder, `by`, "
+             "detail) SELECT {now} - (seq * {step}), CASE WHEN seq % 1000 = 7 THEN "
+             "'stale_write' WHEN seq % 3 = 0 THEN 'acquired' WHEN seq % 3 = 1 THEN 'renewed' "
+             "ELSE 'released' END, CONCAT('fill:', LPAD(seq % {names}, 7, '0')), 1, '', "
+             "'bench-holder', '', '' FROM seq_1_to_{count}",
+    "sqlite": "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < {count})"
+              " INSERT INTO distlock_lockevent (at_us, kind, name, token, owner, holder, by, "
+              "detail) SELECT {now} - (i * {step}), CASE WHEN i % 1000 = 7 THEN 'stale_write' "
+              "WHEN i % 3 = 0 THEN 'acquired' WHEN i % 3 = 1 THEN 'renewed' ELSE 'released' "
+              "END, 'fill:' || printf('%07d', i % {names}), 1, '', 'bench-holder', '', '' "
+              "FROM s",
+}
+
+
+def fill_events(db_alias: str, count: int, names: int) -> None:
+    """Make the audit history of ``db_alias`` hold ``count`` events (kept between runs)."""
+    from django.db import connections
+
+    from distlock.db import db_now_us
+
+    connection = connections[db_alias]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT COUNT(*) FROM distlock_lockevent")
+        if cursor.fetchone()[0] == count:
+            return
+        print(f"  … {db_alias}: filling {count:,} audit events", flush=True)
+        cursor.execute("DELETE FROM distlock_lockevent")
+        step = 30 * 86400 * 10**6 // count
+        cursor.execute(_EVENTS[connection.vendor].format(
+            now=db_now_us(db_alias), step=step, count=count, names=names))
+        if connection.vendor == "postgresql":
+            cursor.execute("VACUUM ANALYZE distlock_lockevent")
+        elif connection.vendor == "mysql":
+            cursor.execute("ANALYZE TABLE distlock_lockevent")
+            cursor.fetchall()
 
 
 def time_pages(db_alias: str, repeat: int) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""Admin pages: the lock table (read-only, with a guarded "break" action) and the audit
-history.
+"""Admin pages: the lock table (read-only, with a guarded "break" action and a Break
+button on a held lock's page) and its overview page; the audit history's pages are in
+:mod:`distlock.admin_events`, the overview's view in :mod:`distlock.admin_overview`.
 
 Nothing here writes lock rows directly. Breaking goes through :func:`distlock.break_lock`
 with the owner and token the confirmation page showed, so tokens keep increasing, the
@@ -11,71 +12,56 @@ deleting a row could let a name start again below a token already handed out.
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.contrib.admin.utils import unquote
+from django.contrib.admin.views.main import ChangeList
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import URLPattern, reverse
-from django.utils import formats, timezone
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext
 
+from distlock import admin_overview
+from distlock.admin_paging import CappedPaginator
 from distlock.admin_timeline import timeline_url
 from distlock.conf import conf
+from distlock.display import (
+    badge,
+    cut,
+    freed,
+    mark_freed,
+    precise,
+    short_owner,
+    when_and_relative,
+)
 from distlock.exceptions import TransactionNotAllowed
 from distlock.locks import break_lock
-from distlock.models import Lock, LockEvent
-from distlock.status import (
-    EXPIRED,
-    FREE,
-    HELD,
-    LockWithState,
-    database_now,
-    relative,
-    with_state,
-)
-from distlock.times import from_us
+from distlock.models import Lock
+from distlock.status import EXPIRED, FREE, HELD, LockWithState, relative, with_state
 from distlock.validation import check_name, check_owner, check_token
 
 if TYPE_CHECKING:
     # Generic in django-stubs only: Django's ModelAdmin cannot be subscripted at run time.
     _LockAdminBase = admin.ModelAdmin[Lock]
-    _LockEventAdminBase = admin.ModelAdmin[LockEvent]
 else:
-    _LockAdminBase = _LockEventAdminBase = admin.ModelAdmin
+    _LockAdminBase = admin.ModelAdmin
 
-_BADGE_COLOURS = {
-    HELD: "#1f7a1f",
-    EXPIRED: "#b35900",
-    FREE: "#666666",
-    LockEvent.Kind.BROKEN: "#b30000",
-    LockEvent.Kind.STALE_WRITE: "#b30000",
-    LockEvent.Kind.LOST: "#b35900",
-    LockEvent.Kind.TOOK_OVER: "#b35900",
-}
+# The lists' widths, truncation and two-line time cells (the same for both lists).
+_MEDIA_CSS = {"all": ("distlock/admin.css",)}
 
 
-def _badge(value: str, label: str | None = None) -> str:
-    colour = _BADGE_COLOURS.get(value, "#205080")
-    return format_html(
-        '<span class="distlock-badge distlock-{}" style="background:{};color:#fff;'
-        'padding:1px 6px;border-radius:8px;white-space:nowrap">{}</span>',
-        value, colour, label or value,
-    )
+class _LockChangeList(ChangeList):
+    """Django's list, and then, for the rows of the page only, how each free lock was
+    freed (released or broken), from the audit: the lock row cannot tell."""
 
-
-def _when(value: datetime | None) -> str:
-    if value is None:
-        return ""
-    # template_localtime, as templates do: converts only when USE_TZ is on. Missing from
-    # django-stubs, hence the ignore.
-    local = timezone.template_localtime(value)  # type: ignore[attr-defined]
-    return str(formats.localize(local))
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        mark_freed(self.result_list, self.queryset.db)
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -102,8 +88,7 @@ class StateFilter(admin.SimpleListFilter):
 @admin.register(Lock)
 class LockAdmin(_LockAdminBase):
     list_display = [
-        "name", "state_badge", "holder", "short_owner", "token", "acquired", "expires",
-        "renew_count",
+        "name", "state_badge", "holder_cut", "token", "acquired", "expires", "renewed",
     ]
     list_filter = [StateFilter]
     search_fields = ["name", "holder", "owner"]
@@ -113,22 +98,48 @@ class LockAdmin(_LockAdminBase):
     # counts would scan it once per filter choice (benchmarks/rows.py).
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
+    paginator = CappedPaginator
     actions = ["break_selected"]
     # Tuples: django-stubs types fields and readonly_fields differently, and only a tuple
     # (immutable, so covariant) suits both.
     fields = (
-        "name", "state_badge", "holder", "owner", "token", "acquired", "renewed", "expires",
-        "renew_count", "history",
+        "name", "state_badge", "holder", "owner", "token", "acquired_at", "renewed_at",
+        "expires_at", "renew_count", "history",
     )
     readonly_fields = fields
+    change_form_template = "admin/distlock/lock/change_form.html"
+    change_list_template = "admin/distlock/lock/change_list.html"
     confirmation_template = "admin/distlock/lock/break_confirmation.html"
+
+    class Media:
+        css = _MEDIA_CSS
 
     # --- read-only table -------------------------------------------------------------
 
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _LockChangeList
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Lock | None:
+        obj = super().get_object(request, object_id, from_field)
+        if obj is not None:
+            mark_freed([obj], conf.database())
+        return obj
+
     def get_urls(self) -> list[URLPattern]:
-        # The timeline of several locks (distlock/admin_timeline.py); the lock's own page
-        # shows its picture through templates/admin/distlock/lock/change_form.html.
-        return [timeline_url(self), *super().get_urls()]
+        """The overview page and its refreshed fragment, and the timeline of several locks
+        (distlock/admin_timeline.py), before Django's own URLs (whose
+        ``<path:object_id>/`` would take "overview/" for a lock name). A lock's own page
+        shows its picture through templates/admin/distlock/lock/change_form.html."""
+        view = self.admin_site.admin_view
+        return [
+            path("overview/", view(admin_overview.page(self)), name="distlock_overview"),
+            path("overview/fragment/", view(admin_overview.fragment(self)),
+                 name="distlock_overview_fragment"),
+            timeline_url(self),
+            *super().get_urls(),
+        ]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[LockWithState]:
         alias = conf.database()
@@ -172,37 +183,84 @@ class LockAdmin(_LockAdminBase):
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: LockWithState) -> str:
-        return _badge(obj.state)
+        return badge(obj.state)
 
-    @admin.display(description="owner", ordering="owner")
-    def short_owner(self, obj: Lock) -> str:
-        return f"{obj.owner[:8]}…" if obj.owner else ""
+    @admin.display(description="holder", ordering="holder")
+    def holder_cut(self, obj: Lock) -> str:
+        # The owner under the holder, not a column of its own: the list must fit 1366 px.
+        return format_html("{}{}", cut(obj.holder), short_owner(obj.owner))
 
     @admin.display(description="acquired", ordering="acquired_us")
-    def acquired(self, obj: Lock) -> str:
-        return _when(obj.acquired_at)
-
-    @admin.display(description="renewed", ordering="renewed_us")
-    def renewed(self, obj: Lock) -> str:
-        return _when(obj.renewed_at)
+    def acquired(self, obj: LockWithState) -> str:
+        return when_and_relative(obj.acquired_us, obj.db_now_us)
 
     @admin.display(description="expires", ordering="expires_us")
     def expires(self, obj: LockWithState) -> str:
         # A free row's expires_us is its release time, not a deadline.
         if obj.is_free:
-            when = relative(obj.expires_us, obj.db_now_us)
-            return f"released {when}" if when else ""
-        return format_html(
-            "{} <span class=\"distlock-relative\">({})</span>", _when(obj.expires_at),
-            relative(obj.expires_us, obj.db_now_us),
-        )
+            return freed(obj, obj.db_now_us)
+        return when_and_relative(obj.expires_us, obj.db_now_us)
 
-    @admin.display(description="audit history")
+    @admin.display(description="renewed", ordering="renew_count")
+    def renewed(self, obj: LockWithState) -> str:
+        if not obj.renew_count or obj.renewed_us is None:
+            return format_html('<span class="distlock-quiet">{}</span>', "never")
+        times = "once" if obj.renew_count == 1 else f"{obj.renew_count} times"
+        return format_html('{}<span class="distlock-relative">{}</span>', times,
+                           relative(obj.renewed_us, obj.db_now_us))
+
+    # The lock's own page: every time to the millisecond, in the site's time zone.
+
+    @admin.display(description="acquired")
+    def acquired_at(self, obj: Lock) -> str:
+        return precise(obj.acquired_us)
+
+    @admin.display(description="renewed")
+    def renewed_at(self, obj: Lock) -> str:
+        return precise(obj.renewed_us) if obj.renewed_us is not None else "never"
+
+    @admin.display(description="expires")
+    def expires_at(self, obj: LockWithState) -> str:
+        if obj.is_free:
+            return format_html("{} ({})", freed(obj, obj.db_now_us), precise(obj.expires_us))
+        return format_html("{} ({})", precise(obj.expires_us),
+                           relative(obj.expires_us, obj.db_now_us))
+
+    @admin.display(description="history")
     def history(self, obj: Lock) -> str:
         url = reverse(f"{self.admin_site.name}:distlock_lockevent_changelist")
         return format_html(
             '<a href="{}?{}">events of this lock</a>', url, urlencode({"name__exact": obj.name})
         )
+
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """One history per lock: with audit on, the lock's page's "History" is its audit
+        events, where admin breaks are recorded too (docs/operations.md). With audit off,
+        Django's log, where admin breaks are then recorded, is the only history."""
+        if not conf.AUDIT:
+            return super().history_view(request, object_id, extra_context)
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None or not self.has_view_permission(request, obj):
+            return super().history_view(request, object_id, extra_context)
+        url = reverse(f"{self.admin_site.name}:distlock_lockevent_changelist")
+        return HttpResponseRedirect(f"{url}?{urlencode({'name__exact': obj.name})}")
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """The lock's page, with a Break button for users who may break a lock that is
+        not free. The button opens the action's own confirmation page."""
+        obj = self.get_object(request, unquote(object_id))
+        context = {
+            **(extra_context or {}),
+            "distlock_can_break": obj is not None and not obj.is_free
+            and self.has_break_permission(request),
+            "distlock_action_checkbox_name": ACTION_CHECKBOX_NAME,
+        }
+        return super().change_view(request, object_id, form_url, context)
 
     # --- breaking --------------------------------------------------------------------
 
@@ -267,10 +325,13 @@ class LockAdmin(_LockAdminBase):
                 break
             if done:
                 broken.append(name)
-                self.log_change(
-                    request, Lock(name=name),
-                    f"Broke the lock (token {token}, owner {owner}).",
-                )
+                if not conf.AUDIT:
+                    # The one record there can be: with audit on, the broken event (by
+                    # "<user> (admin)") is the lock's history, and nothing is logged twice.
+                    self.log_change(
+                        request, Lock(name=name),
+                        f"Broke the lock (token {token}, owner {owner}).",
+                    )
             else:
                 changed.append(name)
         if broken:
@@ -296,56 +357,5 @@ class LockAdmin(_LockAdminBase):
             self.message_user(request, "None of the selected locks was held.", messages.INFO)
 
 
-class AgeFilter(admin.SimpleListFilter):
-    """How recent, by the database clock (the clock that stamped the events)."""
-
-    title = "age"
-    parameter_name = "age"
-    _SPANS = {"hour": 3600, "day": 86400, "week": 7 * 86400}
-
-    def lookups(
-        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
-    ) -> list[tuple[str, str]]:
-        return [("hour", "last hour"), ("day", "last 24 hours"), ("week", "last 7 days")]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        span = self._SPANS.get(self.value() or "")
-        if span is None:
-            return queryset
-        return queryset.filter(at_us__gte=database_now(queryset.db) - span * 1_000_000)
-
-
-@admin.register(LockEvent)
-class LockEventAdmin(_LockEventAdminBase):
-    list_display = ["at", "kind_badge", "name", "token", "holder", "by", "detail"]
-    list_filter = ["kind", AgeFilter]
-    search_fields = ["name", "holder", "owner", "by"]
-    show_full_result_count = False
-    show_facets = admin.ShowFacets.NEVER
-    fields = ("at", "kind_badge", "name", "token", "owner", "holder", "by", "detail")
-    readonly_fields = fields
-    list_per_page = 100
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[LockEvent]:
-        return super().get_queryset(request).using(conf.database())
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(
-        self, request: HttpRequest, obj: LockEvent | None = None
-    ) -> bool:
-        return False
-
-    def has_delete_permission(
-        self, request: HttpRequest, obj: LockEvent | None = None
-    ) -> bool:
-        return False
-
-    @admin.display(description="at", ordering="at_us")
-    def at(self, obj: LockEvent) -> str:
-        return _when(from_us(obj.at_us))
-
-    @admin.display(description="event", ordering="kind")
-    def kind_badge(self, obj: LockEvent) -> str:
-        return _badge(obj.kind, obj.get_kind_display())
+# The audit history's pages (registered on import).
+from distlock import admin_events  # noqa: E402, F401

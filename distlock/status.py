@@ -67,14 +67,35 @@ def locks(alias: str) -> models.QuerySet[LockWithState]:
     return with_state(Lock.objects.using(alias).all(), alias)
 
 
+def duration(seconds: float) -> str:
+    """A length of time in words for people: "12 s", "59 min", "2 h 5 min", "3 days 4 h".
+
+    The one place distlock turns seconds into words (the admin, the overview and the
+    commands all use it). Units below the largest shown are truncated, not rounded, so a
+    lease "in 59 min" never has 60 minutes left; two units at most, so a column stays
+    short. Negative values are shown as their size.
+    """
+    whole = int(abs(seconds) + 0.5) if abs(seconds) < 60 else int(abs(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min"
+    if whole < 86400:
+        hours, minutes = divmod(whole // 60, 60)
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, rest = divmod(whole, 86400)
+    unit = "day" if days == 1 else "days"
+    return f"{days} {unit} {rest // 3600} h" if rest >= 3600 else f"{days} {unit}"
+
+
 def relative(at_us: int | None, now_us: int | None) -> str:
-    """ "in 12 s" / "12 s ago" between two database-clock instants (whole seconds)."""
+    """ "in 59 min" / "12 s ago" / "now" between two database-clock instants."""
     if at_us is None or now_us is None:
         return ""
     seconds = (at_us - now_us) / 1e6
-    if seconds >= 0:
-        return f"in {int(seconds + 0.5)} s"
-    return f"{int(-seconds + 0.5)} s ago"
+    if abs(seconds) < 0.5:
+        return "now"
+    return f"in {duration(seconds)}" if seconds > 0 else f"{duration(seconds)} ago"
 
 
 def describe(row: Lock) -> dict[str, Any]:

@@ -11,11 +11,12 @@ import json
 import re
 
 import pytest
-from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.models import LogEntry
 from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission
 from django.test import Client
 from django.urls import reverse
+from django.utils.timezone import localtime
 
 from distlock import LockLost, acquire, break_lock
 from distlock.db import db_now_us
@@ -95,22 +96,27 @@ def test_changelist_shows_every_column(su_client, three_locks):
     row = found["job:held"]
     assert "distlock-held" in row and ">held<" in row
     assert "worker-A" in row  # holder description
-    assert f"{held.owner[:8]}…" in row and held.owner not in row  # short owner
+    # The owner cut to 8 hex digits under the holder, all of it on hover only.
+    assert f'title="{held.owner}">{held.owner[:8]}…</code>' in row
+    assert f">{held.owner}<" not in row
     assert f'<td class="field-token">{held.token}</td>' in row
-    assert '<td class="field-renew_count">1</td>' in row
-    seconds = int(re.search(r"\(in (\d+) s\)", row).group(1))
-    assert 20 <= seconds <= 30
-    assert str(held.acquired_at.year) in re.search(r'field-acquired">([^<]*)<', row).group(1)
+    expires = re.search(r'field-expires">(.*?)</td>', row).group(1)
+    assert re.search(r'<span class="distlock-relative">in (2\d|30) s</span>', expires)
+    acquired = re.search(r'field-acquired">(.*?)</td>', row).group(1)
+    assert re.search(r'>\d\d:\d\d:\d\d</time>', acquired)  # today: the time, to the second
+    assert f'datetime="{localtime(held.acquired_at).isoformat()}"' in acquired
+    assert re.search(r'field-renewed">once<span class="distlock-relative">(now|\d s ago)<', row)
 
     row = found["job:expired"]
     assert "distlock-expired" in row and "sleepy" in row
-    assert re.search(r"\(\d+ s ago\)", row)
+    assert re.search(r'distlock-relative">(now|\d+ s ago)<', row)
     assert f'<td class="field-token">{expired.token}</td>' in row
+    assert "field-renewed\"><span class=\"distlock-quiet\">never<" in row
 
     row = found["job:free"]
     assert "distlock-free" in row
-    assert re.search(r"released \d+ s ago", row)
-    assert re.search(r'<td class="field-short_owner">[^<]{0,2}</td>', row)
+    assert re.search(r"freed (now|\d+ s ago)", row)  # audit off: release or break unknown
+    assert "distlock-owner" not in row
 
 
 def test_state_is_computed_by_the_database(su_client, three_locks):
@@ -214,9 +220,9 @@ def test_break_through_the_confirmation_page(su_client, superuser, settings):
     again = acquire("invoice:42", ttl=30)
     assert again.token == lease.token + 1
 
-    entry = LogEntry.objects.get(object_id="invoice:42")
-    assert entry.user == superuser and entry.action_flag == CHANGE
-    assert str(lease.token) in entry.get_change_message()
+    # With audit on, the audit is the lock's one history: the break is there, by whom,
+    # and not in Django's log as well.
+    assert not LogEntry.objects.filter(object_id="invoice:42").exists()
     event = LockEvent.objects.get(name="invoice:42", kind="broken")
     assert event.by == "root (admin)" and event.token == lease.token
     assert event.holder.endswith("payer")
@@ -447,10 +453,12 @@ def test_event_list_columns(su_client, events):
     assert ("ev:one", "acquired") in kinds and ("ev:one", "renewed") in kinds
     assert ("ev:one", "released") in kinds and ("ev:two", "broken") in kinds
     assert "distlock-broken" in html and ">broken<" in html
-    assert "carol" in html and "alpha" in html
+    assert "by carol" in html and "alpha" in html  # who broke it, in the detail column
     assert f'<td class="field-token">{lease.token}</td>' in html
-    year = str(lease.acquired_at.year)
-    assert re.search(r'field-at"[^>]*>(?:<a [^>]*>)?[^<]*' + year, html)
+    # To the second in the list, to the millisecond (and the zone) on hover.
+    assert re.search(r'field-at"[^>]*><a [^>]*><time class="distlock-when" datetime="[^"]+" '
+                     r'title="\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \w+">'
+                     r"\d\d:\d\d:\d\d</time>", html)
     assert "released" in html and "expires " in html  # detail of the renewal
 
 
@@ -517,3 +525,142 @@ def test_atomic_requests_on_the_lock_database_is_reported_not_a_crash(su_client,
                for m in messages_of(done))
     monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", False)
     assert Lock.objects.get(name="atomic").owner == lease.owner
+
+
+# --- how a lock was freed, the lock's page, its one history ------------------------
+
+
+def test_free_locks_say_released_or_broken_from_the_audit(su_client, settings):
+    settings.DISTLOCK_AUDIT = True
+    acquire("freed:released", ttl=30).release()
+    broken = acquire("freed:broken", ttl=30)
+    break_lock("freed:broken", by="carol")
+    # Taken again and released after the break: the row's freeing is the release now.
+    again = acquire("freed:again", ttl=30)
+    break_lock("freed:again", by="dave")
+    acquire("freed:again", ttl=30).release()
+    found = rows(su_client.get(reverse(CHANGELIST)))
+    assert re.search(r">released (now|\d s ago)<", found["freed:released"])
+    assert re.search(r'title="broken by carol">broken (now|\d s ago)<', found["freed:broken"])
+    assert re.search(r">released (now|\d s ago)<", found["freed:again"])
+    assert "broken" not in found["freed:again"]
+    page = su_client.get(reverse("admin:distlock_lock_change", args=["freed:broken"]))
+    assert re.search(r"broken (now|\d s ago)</span> \(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ",
+                     page.content.decode())
+    assert broken.release() is False and again.release() is False
+
+
+def test_lock_page_times_to_the_millisecond_in_the_site_time_zone(su_client, settings):
+    settings.TIME_ZONE = "Asia/Kolkata"  # +05:30, so a UTC time would show
+    lease = acquire("precise", ttl=30)
+    lease.renew(ttl=30)
+    html = su_client.get(reverse("admin:distlock_lock_change", args=["precise"])).content
+    local = localtime(lease.acquired_at)
+    assert local.utcoffset().total_seconds() == 5.5 * 3600
+    stamp = f"{local:%Y-%m-%d %H:%M:%S}.{local.microsecond // 1000:03d} IST"
+    assert stamp in html.decode()
+    assert re.search(r"\(in (2\d|30) s\)", html.decode())
+
+
+def break_button(response) -> str | None:
+    html = response.content.decode()
+    found = re.search(r'<form method="post" action="([^"]+)" class="distlock-break-form">'
+                      r"(.*?)</form>", html, re.S)
+    return None if found is None else found.group(0)
+
+
+def test_break_button_on_a_held_lock_opens_the_confirmation(django_user_model):
+    lease = acquire("button", ttl=30, holder="payer")
+    operator = Client()
+    operator.force_login(user_with(django_user_model, "operator", "view_lock", "break_lock"))
+    page = operator.get(reverse("admin:distlock_lock_change", args=["button"]))
+    form = break_button(page)
+    assert form is not None and f'action="{reverse(CHANGELIST)}"' in form
+    # What the button posts is the list's action for this one lock.
+    fields = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', form))
+    assert fields["action"] == "break_selected" and fields["_selected_action"] == "button"
+    confirmation = operator.post(reverse(CHANGELIST), fields)
+    assert "Break locks?" in confirmation.content.decode()
+    assert lease.owner in confirmation.content.decode()
+    assert Lock.objects.get(name="button").owner == lease.owner  # not before confirming
+    confirm(operator, confirmation)
+    assert Lock.objects.get(name="button").is_free
+    # A free lock has no button.
+    page = operator.get(reverse("admin:distlock_lock_change", args=["button"]))
+    assert page.status_code == 200 and break_button(page) is None
+
+
+def test_no_break_button_without_the_permission_and_its_post_is_refused(django_user_model):
+    lease = acquire("no-button", ttl=30)
+    viewer = Client()
+    viewer.force_login(user_with(django_user_model, "viewer", "view_lock", "change_lock"))
+    page = viewer.get(reverse("admin:distlock_lock_change", args=["no-button"]))
+    assert page.status_code == 200 and lease.owner in page.content.decode()
+    assert break_button(page) is None and "Break…" not in page.content.decode()
+    forged = {"action": "break_selected", "index": "0", "_selected_action": "no-button"}
+    done = viewer.post(reverse(CHANGELIST), forged, follow=True)
+    assert messages_of(done) == ["No action selected."]
+    assert Lock.objects.get(name="no-button").owner == lease.owner
+
+
+def test_history_is_the_audit_with_audit_on(su_client, settings):
+    settings.DISTLOCK_AUDIT = True
+    acquire("story", ttl=30).release()
+    history = reverse("admin:distlock_lock_history", args=["story"])
+    response = su_client.get(history)
+    assert response.status_code == 302
+    assert response["Location"] == f"{reverse(EVENTS)}?name__exact=story"
+    events = su_client.get(response["Location"]).context["cl"].result_list
+    assert {event.kind for event in events} == {"acquired", "released"}
+
+
+def test_history_is_django_log_with_audit_off(su_client):
+    lease = acquire("quiet", ttl=30)
+    confirm(su_client, post_action(su_client, ["quiet"]))
+    entry = LogEntry.objects.get(object_id="quiet")
+    assert str(lease.token) in entry.get_change_message()
+    assert not LockEvent.objects.exists()
+    response = su_client.get(reverse("admin:distlock_lock_history", args=["quiet"]))
+    assert response.status_code == 200
+    assert f"Broke the lock (token {lease.token}" in response.content.decode()
+
+
+def test_history_of_a_missing_lock_or_without_permission(su_client, settings, django_user_model):
+    settings.DISTLOCK_AUDIT = True
+    missing = su_client.get(reverse("admin:distlock_lock_history", args=["nope"]), follow=True)
+    assert missing.status_code == 200
+    assert any("doesn’t exist" in m for m in messages_of(missing))
+    acquire("secret", ttl=30).release()
+    nobody = Client()
+    nobody.force_login(user_with(django_user_model, "nobody"))
+    assert nobody.get(reverse("admin:distlock_lock_history", args=["secret"])).status_code == 403
+
+
+def test_a_long_history_is_counted_only_up_to_a_cap(su_client, settings, monkeypatch):
+    """Counting 10M events costs a second per page view: the count stops at a cap."""
+    from distlock.admin_paging import CappedPaginator
+
+    settings.DISTLOCK_AUDIT = True
+    monkeypatch.setattr(CappedPaginator, "CAP", 3)
+    for _ in range(3):
+        acquire("many", ttl=30).release()  # 6 events
+    response = su_client.get(reverse(EVENTS))
+    assert response.context["cl"].result_count == 4  # CAP + 1: "more than"
+    assert len(response.context["cl"].result_list) == 6
+    assert 'id="distlock-count-capped"' in response.content.decode()
+    assert "more than 3 lock events" in response.content.decode()
+    few = su_client.get(reverse(EVENTS), {"kind": "acquired", "q": "many"})
+    assert few.context["cl"].result_count == 3
+    assert "3 lock events" in few.content.decode() and "more than" not in few.content.decode()
+
+
+def test_the_lock_list_counts_up_to_the_cap_too(su_client, monkeypatch):
+    from distlock.admin_paging import CappedPaginator
+
+    monkeypatch.setattr(CappedPaginator, "CAP", 2)
+    for n in range(4):
+        acquire(f"row:{n}", ttl=30).release()
+    response = su_client.get(reverse(CHANGELIST))
+    assert response.context["cl"].result_count == 3
+    assert "more than 2 locks" in response.content.decode()
+    assert result_names(response) == [f"row:{n}" for n in range(4)]

@@ -10,66 +10,28 @@ turns the skip into a failure.
 
 from __future__ import annotations
 
-import os
 import re
-import threading
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any
 
 import pytest
 from django.conf import settings
-from django.db import connection, connections
+from django.contrib.auth.models import Permission
+from django.db import connection
+from django.test import Client
 
 from distlock import LockLost, acquire
+from distlock.audit import record
 from distlock.models import Lock, LockEvent
-
-CHROMIUM = os.environ.get("DISTLOCK_CHROMIUM", "/usr/bin/chromium")
-ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run",
-]
-T = TypeVar("T")
-TIMEOUT_MS = 30_000  # generous: the machine is shared with other test runs
-
-
-def _browser_or_skip():
-    """Return playwright.sync_api, or skip (fail under DISTLOCK_REQUIRE_BROWSER=1)."""
-    problem = None
-    try:
-        from playwright import sync_api
-    except ImportError:
-        problem = "the playwright package is not installed (pip install -e '.[dev]')"
-    if problem is None and not os.access(CHROMIUM, os.X_OK):
-        problem = f"no Chromium at {CHROMIUM} (apt-get install -y chromium)"
-    if problem is None:
-        return sync_api
-    message = f"BROWSER TEST NOT RUN: {problem}"
-    if os.environ.get("DISTLOCK_REQUIRE_BROWSER") == "1":
-        pytest.fail(message + " — DISTLOCK_REQUIRE_BROWSER=1 demands it", pytrace=False)
-    pytest.skip(message + "; set DISTLOCK_REQUIRE_BROWSER=1 to make this a failure")
-
-
-def in_thread(query: Callable[[], T]) -> T:
-    """Run an ORM query in a thread of its own, with its own connection, closed after.
-
-    Playwright's sync API runs an asyncio loop here (Django refuses ORM calls next to a
-    running loop) and switches greenlets, which gives queries a connection that the test's
-    teardown never closes (PostgreSQL then cannot drop the test database).
-    """
-    result: list[T] = []
-
-    def run() -> None:
-        try:
-            result.append(query())
-        finally:
-            connections.close_all()
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join(60)
-    assert result, "the query failed or hung; see the thread's traceback above"
-    return result[0]
+from tests.support.browser import (
+    ARGS,
+    CHROMIUM,
+    TIMEOUT_MS,
+    BrowserThread,
+    browser_or_skip,
+    in_thread,
+)
 
 
 @pytest.fixture
@@ -82,7 +44,8 @@ def shots(request) -> Path:
 
 
 def test_break_a_lock_in_the_browser(live_server, django_user_model, settings, shots):
-    sync_api = _browser_or_skip()
+    """The whole break, login included, in a browser of its own."""
+    sync_api = browser_or_skip()
     settings.DISTLOCK_AUDIT = True
     django_user_model.objects.create_superuser("ops", "ops@example.com", "s3cret-pw")
     lease = acquire("report:browser", ttl=600, holder="nightly-report")
@@ -104,9 +67,10 @@ def test_break_a_lock_in_the_browser(live_server, django_user_model, settings, s
 
             row = page.locator("#result_list tbody tr", has_text="report:browser")
             expect(row.locator(".distlock-held")).to_have_text("held")
-            expect(row.locator(".field-holder")).to_contain_text("nightly-report")
+            expect(row.locator(".field-holder_cut")).to_contain_text("nightly-report")
             expect(row.locator(".field-token")).to_have_text(str(lease.token))
-            expect(row.locator(".distlock-relative")).to_have_text(re.compile(r"\(in \d+ s\)"))
+            expect(row.locator(".field-expires .distlock-relative")).to_have_text(
+                re.compile(r"^in (9|10) min$"))
             idle = page.locator("#result_list tbody tr", has_text="report:idle")
             expect(idle.locator(".distlock-free")).to_have_text("free")
             page.screenshot(path=str(shots / "01-locks-held.png"), full_page=True)
@@ -126,12 +90,13 @@ def test_break_a_lock_in_the_browser(live_server, django_user_model, settings, s
             )
             row = page.locator("#result_list tbody tr", has_text="report:browser")
             expect(row.locator(".distlock-free")).to_have_text("free")
+            expect(row.locator(".field-expires")).to_have_text(re.compile(r"^broken "))
             page.screenshot(path=str(shots / "03-broken.png"), full_page=True)
 
             page.goto(f"{live_server.url}/admin/distlock/lockevent/?kind=broken")
             event = page.locator("#result_list tbody tr", has_text="report:browser")
             expect(event.locator(".distlock-broken")).to_have_text("broken")
-            expect(event.locator(".field-by")).to_have_text("ops (admin)")
+            expect(event.locator(".field-detail_cut")).to_have_text("by ops (admin)")
             page.screenshot(path=str(shots / "04-event.png"), full_page=True)
         finally:
             browser.close()
@@ -187,7 +152,7 @@ def test_timeline_of_a_paused_holder_taken_over_and_refused(
     from tests.factories import AccountFactory
     from tests.test_fencing import pause_until
 
-    sync_api = _browser_or_skip()
+    sync_api = browser_or_skip()
     # Beside the other test's screenshots, not among them (its fixture clears its folder).
     shots = Path(settings.BASE_DIR) / "artifacts" / "browser" / connection.vendor / "timeline"
     shots.mkdir(parents=True, exist_ok=True)
@@ -247,3 +212,217 @@ def test_timeline_of_a_paused_holder_taken_over_and_refused(
         assert got["label"] == got["page"], theme
         assert got["width"] <= got["box"] + 0.5
     assert drawn["light"]["label"] != drawn["dark"]["label"]
+
+
+# --- the admin at 1366 x 900: one browser for the tests below ----------------------------
+
+VIEWPORT = {"width": 1366, "height": 900}
+LONG_HOLDER = (
+    "reporting-worker-7.eu-west-1.compute.internal pid 4182 thread ThreadPoolExecutor-0_3 "
+    "task reports.tasks.render_monthly_statement[9f1c2a]"
+)
+LONG_NAME = "report:customer-000042:2026-12:monthly-statement-with-attachments"
+LONG_DETAIL = "shop.Account: write with token 41 refused (row token 42); " + "x" * 300
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[BrowserThread]:
+    thread = BrowserThread(browser_or_skip())
+    yield thread
+    thread.close()
+
+
+@pytest.fixture
+def admin_shots() -> Path:
+    folder = Path(settings.BASE_DIR) / "artifacts" / "browser" / connection.vendor / "admin"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def open_as(chromium: BrowserThread, user: Any, url: str, *, dark: bool = False) -> Any:
+    """A fresh page at 1366 x 900, logged in as ``user`` by its session cookie (no login
+    form: the form is the other test's business and costs a page load)."""
+    client = Client()
+    client.force_login(user)
+    cookie = client.cookies[settings.SESSION_COOKIE_NAME].value
+
+    def work(browser: Any, sync_api: Any) -> Any:
+        context = browser.new_context(
+            viewport=VIEWPORT, color_scheme="dark" if dark else "light"
+        )
+        # For the whole site: a cookie set by a page's URL is sent below its path only.
+        site = "/".join(url.split("/")[:3]) + "/"
+        context.add_cookies([{"name": settings.SESSION_COOKIE_NAME, "value": cookie,
+                              "url": site}])
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(url)
+        return page
+
+    return chromium.run(work)
+
+
+def close(chromium: BrowserThread, page: Any) -> None:
+    chromium.run(lambda browser, api: page.context.close())
+
+
+FIT = """() => {
+    const doc = document.documentElement;
+    const table = document.querySelector("#result_list");
+    const box = table.closest(".results");
+    const headers = {};
+    for (const th of table.querySelectorAll("thead th")) {
+        const r = th.getBoundingClientRect();
+        headers[th.innerText.trim().toLowerCase()] = {
+            left: r.left, right: r.right, cut: th.scrollWidth > th.clientWidth + 1,
+        };
+    }
+    return {
+        docScroll: doc.scrollWidth, docClient: doc.clientWidth,
+        boxScroll: box.scrollWidth, boxClient: box.clientWidth,
+        tableRight: table.getBoundingClientRect().right,
+        boxRight: box.getBoundingClientRect().right,
+        viewport: window.innerWidth, headers,
+    };
+}"""
+
+
+def assert_fits(got: dict[str, Any], columns: list[str]) -> None:
+    assert got["docScroll"] <= got["docClient"], got
+    assert got["boxScroll"] <= got["boxClient"], got
+    assert got["tableRight"] <= got["boxRight"] + 1, got
+    for column in columns:
+        header = got["headers"][column]
+        assert header["left"] >= 0 and header["right"] <= got["viewport"], (column, got)
+        assert not header["cut"], (column, got)
+
+
+@pytest.fixture
+def long_values(lock_db, settings) -> dict[str, Any]:
+    """Locks and events with the longest text a site is likely to show."""
+    settings.DISTLOCK_AUDIT = True
+    held = acquire(LONG_NAME, ttl=3600, holder=LONG_HOLDER)
+    held.renew(ttl=3600)
+    acquire("job:short", ttl=30, holder="w").release()
+    record("stale_write", name=LONG_NAME, using="default", token=held.token,
+           owner=held.owner, holder=LONG_HOLDER, detail=LONG_DETAIL)
+    return {"held": held}
+
+
+@pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
+def test_lists_fit_1366_without_horizontal_scrolling(
+    chromium, live_server, admin_user, long_values, admin_shots, dark
+):
+    theme = "dark" if dark else "light"
+    page = open_as(chromium, admin_user, f"{live_server.url}/admin/distlock/lock/", dark=dark)
+    try:
+        def locks(browser: Any, api: Any) -> dict[str, Any]:
+            row = page.locator("#result_list tbody tr", has_text="monthly-statement")
+            api.expect(row.locator(".distlock-held")).to_have_text("held")
+            holder = row.locator(".field-holder_cut .distlock-cut")
+            api.expect(holder).to_have_attribute("title", long_values["held"].holder)
+            api.expect(row.locator(".distlock-owner")).to_have_attribute(
+                "title", long_values["held"].owner)
+            api.expect(row.locator(".field-expires .distlock-relative")).to_have_text(
+                re.compile(r"^in (59 min|1 h)$"))
+            api.expect(row.locator(".field-renewed")).to_contain_text("once")
+            api.expect(page.locator("th.column-renewed")).to_be_visible()
+            page.screenshot(path=str(admin_shots / f"locks-1366-{theme}.png"))
+            return page.evaluate(FIT)
+
+        assert_fits(chromium.run(locks), ["name", "holder", "expires", "renewed"])
+
+        def events(browser: Any, api: Any) -> dict[str, Any]:
+            page.goto(f"{live_server.url}/admin/distlock/lockevent/")
+            row = page.locator("#result_list tbody tr", has_text="stale write refused")
+            detail = row.locator(".field-detail_cut .distlock-cut")
+            api.expect(detail).to_be_visible()
+            api.expect(detail).to_have_attribute("title", LONG_DETAIL)
+            api.expect(page.locator("th.column-detail_cut")).to_be_visible()
+            page.screenshot(path=str(admin_shots / f"events-1366-{theme}.png"))
+            return page.evaluate(FIT)
+
+        assert_fits(chromium.run(events), ["at", "event", "name", "holder", "detail"])
+    finally:
+        close(chromium, page)
+
+
+def test_overview_refreshes_without_navigation(
+    chromium, live_server, admin_user, lock_db, settings, admin_shots
+):
+    settings.DISTLOCK_AUDIT = True
+    acquire("overview:first", ttl=600, holder="first-holder")
+    # Every second (?refresh=1) rather than the default 5 s: the test waits for a refresh.
+    url = f"{live_server.url}/admin/distlock/lock/overview/?refresh=1"
+    page = open_as(chromium, admin_user, url)
+    try:
+        def loaded(browser: Any, api: Any) -> int:
+            api.expect(page.locator("#distlock-held")).to_contain_text("overview:first")
+            api.expect(page.locator("#distlock-held-count")).to_have_text("1")
+            page.evaluate("() => { window.distlockFirstLoad = true; }")
+            return int(page.locator("#distlock-overview").get_attribute("data-refreshes"))
+
+        before = chromium.run(loaded)
+        later = acquire("overview:later", ttl=600, holder="later-holder")
+        record("stale_write", name="overview:first", using="default", token=1,
+               detail="shop.Account: write with token 1 refused (row token 2)")
+
+        def refreshed(browser: Any, api: Any) -> bool:
+            # Waits (with the page's timeout) for the refresh to bring the new lock.
+            api.expect(page.locator("#distlock-held")).to_contain_text("overview:later")
+            api.expect(page.locator("#distlock-held-count")).to_have_text("2")
+            api.expect(page.locator("#distlock-stale-count")).to_have_text("1")
+            page.screenshot(path=str(admin_shots / "overview-1366-light.png"), full_page=True)
+            page.emulate_media(color_scheme="dark")
+            page.screenshot(path=str(admin_shots / "overview-1366-dark.png"), full_page=True)
+            return bool(page.evaluate("() => window.distlockFirstLoad === true"))
+
+        assert chromium.run(refreshed), "the page was reloaded, not refreshed in place"
+        assert int(chromium.run(
+            lambda b, a: page.locator("#distlock-overview").get_attribute("data-refreshes")
+        )) > before
+        assert later.release() is True
+    finally:
+        close(chromium, page)
+
+
+def test_break_button_only_for_those_who_may_break(
+    chromium, live_server, django_user_model, lock_db, admin_shots
+):
+    lease = acquire("button:held", ttl=600, holder="someone")
+    url = f"{live_server.url}/admin/distlock/lock/button:held/change/"
+    viewer = django_user_model.objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_lock"))
+    breaker = django_user_model.objects.create_user("breaker", password="pw", is_staff=True)
+    breaker.user_permissions.add(*Permission.objects.filter(
+        codename__in=["view_lock", "break_lock"]))
+
+    page = open_as(chromium, viewer, url)
+    try:
+        def without(browser: Any, api: Any) -> None:
+            api.expect(page.locator("h2, .readonly").first).to_be_visible()
+            api.expect(page.locator(".field-owner")).to_contain_text(lease.owner)
+            api.expect(page.locator("#distlock-break-button")).to_have_count(0)
+
+        chromium.run(without)
+    finally:
+        close(chromium, page)
+
+    page = open_as(chromium, breaker, url)
+    try:
+        def with_permission(browser: Any, api: Any) -> None:
+            api.expect(page.locator("#distlock-break-button")).to_be_visible()
+            page.screenshot(path=str(admin_shots / "lock-page-1366-light.png"))
+            page.click("#distlock-break-button")
+            api.expect(page.locator("h1")).to_have_text("Break locks?")
+            api.expect(page.locator("#distlock-break-list")).to_contain_text(lease.owner)
+            page.click("#distlock-confirm-break")
+            api.expect(page.locator("ul.messagelist")).to_contain_text(
+                "Broke 1 lock(s): button:held")
+
+        chromium.run(with_permission)
+    finally:
+        close(chromium, page)
+    assert Lock.objects.get(name="button:held").is_free
+    with pytest.raises(LockLost):
+        lease.renew()

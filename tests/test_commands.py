@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from io import StringIO
 
 import pytest
@@ -32,6 +37,7 @@ from distlock.models import Lock, LockEvent, TokenFloor
 from distlock.signals import lock_broken
 from tests.factories import AccountFactory
 from tests.support.helpers import expired_lock, us
+from tests.support.processes import child_env
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -60,7 +66,8 @@ def test_list_table(three_locks):
     assert by_name["cmd:held"].split()[1:3] == ["held", str(held.token)]
     assert "worker-A" in by_name["cmd:held"] and " s" in by_name["cmd:held"]
     assert "in 2" in by_name["cmd:held"] or "in 30 s" in by_name["cmd:held"]
-    assert by_name["cmd:expired"].split()[1] == "expired" and "s ago" in by_name["cmd:expired"]
+    assert by_name["cmd:expired"].split()[1] == "expired"
+    assert re.search(r"  (now|\d+ s ago) +0$", by_name["cmd:expired"])
     assert by_name["cmd:free"].split()[1] == "free"
 
 
@@ -97,6 +104,73 @@ def test_list_unknown_database_and_flag():
         run("distlock_list", "--database", "nope")
     with pytest.raises(CommandError, match="unrecognized arguments"):
         run("distlock_list", "--hold")
+
+
+def test_list_times_in_words(settings):
+    settings.DISTLOCK_MAX_TTL = 3 * 86400
+    acquire("hour", ttl=3600, holder="long")
+    acquire("day", ttl=86400 + 7200, holder="longer")
+    lines = {line.split()[0]: line for line in run("distlock_list").splitlines()[1:]}
+    assert lines["hour"].split()[-3:] == ["59", "min", "0"]
+    assert lines["day"].split()[-5:] == ["1", "day", "1", "h", "0"]
+    assert " s" not in lines["hour"] and "3599" not in lines["hour"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--watch", "soon"], "--watch: 'soon' is not a number of seconds"),
+        (["--watch", "-1"], "is not a number of seconds"),
+        (["--watch", "0"], "--watch: '0' is too short; at least 0.2 s"),
+        (["--watch", "1", "--json"], "does not go with --json"),
+    ],
+)
+def test_list_watch_bad_input(args, message):
+    with pytest.raises(CommandError, match=message):
+        run("distlock_list", *args)
+
+
+def test_list_watch_prints_until_ctrl_c_from_a_real_process():
+    """--watch prints a table, then again, until SIGINT (Ctrl-C): then exit status 0."""
+    lease = acquire("watched", ttl=600, holder="watcher")
+    lines: queue.Queue[str | None] = queue.Queue()
+    seen: list[str] = []
+    with subprocess.Popen(
+        [sys.executable, "-m", "django", "distlock_list", "--watch", "0.2"],
+        env=child_env(), cwd=settings.BASE_DIR, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            deadline = time.monotonic() + 60
+            while sum(line.startswith("name ") for line in seen) < 2:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                assert line is not None, f"exited early ({proc.wait(10)}): {proc.stderr.read()}"
+                seen.append(line)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0, proc.stderr.read()
+            while (line := lines.get(timeout=60)) is not None:
+                seen.append(line)
+            errors = proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            reader.join(60)
+    tables = [i for i, line in enumerate(seen) if line.startswith("name ")]
+    assert len(tables) >= 2
+    assert "(every 0.2 s; Ctrl-C stops)" in seen[tables[0] - 1]
+    watched = [line for line in seen if line.startswith("watched ")]
+    assert len(watched) >= 2 and all("held" in line and "min" in line for line in watched)
+    assert "Traceback" not in errors
+    assert lease.release() is True
 
 
 # --- distlock_break -----------------------------------------------------------------
@@ -195,6 +269,20 @@ def test_purge_respects_idle():
     acquire("top", ttl=30).release()
     assert "Deleted 0 lock row(s)" in run("distlock_purge", "--idle", "1h30m")
     assert Lock.objects.count() == 2
+
+
+def test_purge_speaks_in_words_and_of_audit_events_only_with_audit_on(settings):
+    acquire("idle", ttl=30).release()
+    out = run("distlock_purge", "--idle", "1h30m")
+    assert out.strip() == "Deleted 0 lock row(s) idle for at least 1 h 30 min."
+    assert "audit" not in out.lower()  # audit is off
+    out = run("distlock_purge", "--idle", "2d", "--events-older-than", "90")
+    assert "idle for at least 2 days." in out
+    assert "Deleted 0 audit event(s) older than 1 min." in out  # asked for: done and said
+    settings.DISTLOCK_AUDIT = True
+    out = run("distlock_purge")
+    assert "idle for at least 1 day." in out
+    assert "Deleted 0 audit event(s) older than 30 days." in out
 
 
 @pytest.mark.parametrize(

@@ -182,6 +182,13 @@ class Backend(TokenFloorSQL):
         """Wait up to ``seconds`` for a notification on a connection that listens."""
         raise NotImplementedError
 
+    def waiting(self, cursor: Any, limit: int) -> list[tuple[str, int, str]] | None:
+        """Locks that blocking acquires wait for right now, as the wake-up registrations
+        show them: (name, sessions waiting, who they are), most waited-for first, at most
+        ``limit``. None where waiters register nowhere (they only poll), so nobody knows.
+        """
+        return None
+
     # -- schema, checks and the doctor ---------------------------------------------------
 
     def name_field_collation(self, connection: BaseDatabaseWrapper) -> str | None:

@@ -19,7 +19,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import FAIL, OK, RENEW_REFUSED, WARN, Backend, Busy, Grant, exhausted
 from distlock.conf import conf
-from distlock.constants import MAX_TOKEN
+from distlock.constants import LOCK_TABLE, MAX_TOKEN
 
 # Serialization failures and deadlocks abort the whole transaction: safe to run it again.
 _RETRY_SQLSTATES = {"40001", "40P01"}
@@ -182,6 +182,18 @@ class PostgreSQL(Backend):
             for _ in connection.connection.notifies(timeout=seconds, stop_after=1):
                 break
 
+    def waiting(self, cursor: Any, limit: int) -> list[tuple[str, int, str]] | None:
+        """Waiters hold a shared advisory lock (1684825963, hashtext(name)) while they
+        wait (``distlock_listen``), so ``pg_locks`` lists them, one row per waiting
+        session (a process, or an event loop for all its coroutines). The keys are
+        matched to names among the lock rows that are not free, in one scan of the lock
+        table, and only when someone waits at all."""
+        cursor.execute(f"SELECT count(*) FROM ({_WAITERS}) AS w")
+        if cursor.fetchone()[0] == 0:
+            return []
+        cursor.execute(_WAITING, [limit])
+        return [(name, int(sessions), who) for name, sessions, who in cursor.fetchall()]
+
     def listen(self, cursor: Any, name: str) -> None:
         """LISTEN on the lock's channel, and a shared advisory lock that tells releasers
         someone waits (``distlock_listen``)."""
@@ -258,6 +270,23 @@ class PostgreSQL(Backend):
         schema_editor.execute(
             f"DROP TRIGGER IF EXISTS {quote(fence_trigger_name(table))} ON {quote(table)}"
         )
+
+
+# Waiting sessions' advisory locks (migration 0002's distlock_listen): classid is the
+# first key ("dlck"), objid the second, hashtext(name) read as an unsigned 32-bit number.
+_WAITERS = (
+    "SELECT l.objid::bigint AS key, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "
+    "AND l.classid = 1684825963 AND l.objsubid = 2 AND l.mode = 'ShareLock' AND l.granted "
+    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+_WAITING = (
+    f"WITH w AS ({_WAITERS}), k AS (SELECT w.key, count(*) AS sessions, string_agg("
+    "coalesce(nullif(a.application_name, ''), host(a.client_addr), 'local') || ' pid ' "
+    "|| w.pid, ', ' ORDER BY w.pid) AS who FROM w LEFT JOIN pg_stat_activity a "
+    f"ON a.pid = w.pid GROUP BY w.key) SELECT d.name, k.sessions, k.who FROM {LOCK_TABLE} d "
+    "JOIN k ON (hashtext(d.name)::bigint & 4294967295) = k.key "
+    "WHERE d.owner <> '' ORDER BY k.sessions DESC, d.name LIMIT %s"
+)
 
 
 def release(

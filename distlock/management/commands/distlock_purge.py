@@ -1,6 +1,6 @@
 """Delete lock rows free or expired for at least --idle (default 1d) and audit events older
-than --events-older-than (default DISTLOCK_AUDIT_RETENTION). Durations: seconds or 90s,
-15m, 12h, 7d, 2w.
+than --events-older-than (default DISTLOCK_AUDIT_RETENTION; with audit off, only when
+given). Durations: seconds or 90s, 15m, 12h, 7d, 2w.
 
 Thin over :func:`distlock.purge_locks` (which raises the token floor to every token it
 deletes, so a purged name that comes back still gets a higher token) and
@@ -15,8 +15,10 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 
 from distlock.audit import purge_events, retention
+from distlock.conf import conf
 from distlock.locks import purge_locks
 from distlock.management.commands._common import LockCommand, parse_duration
+from distlock.status import duration
 
 
 class Command(LockCommand):
@@ -44,12 +46,18 @@ class Command(LockCommand):
         # Everything is checked before anything is deleted (parse_duration keeps both
         # durations within what purge_locks and purge_events accept).
         locks = purge_locks(idle=idle, using=alias)
-        self.stdout.write(f"Deleted {locks} lock row(s) idle for at least {idle}.")
-        if options["skip_events"]:
+        self.stdout.write(
+            f"Deleted {locks} lock row(s) idle for at least {duration(idle.total_seconds())}."
+        )
+        # With audit off there is no history to keep tidy (unless asked for by age): a
+        # line about audit events would only puzzle a site that never turned it on.
+        if options["skip_events"] or (events is None and not conf.AUDIT):
             return
         if events is None and retention() is None:
             self.stdout.write("Kept all audit events (DISTLOCK_AUDIT_RETENTION is None).")
             return
         age = events if events is not None else timedelta(seconds=retention() or 0)
         deleted = purge_events(older_than=age, using=alias)
-        self.stdout.write(f"Deleted {deleted} audit event(s) older than {age}.")
+        self.stdout.write(
+            f"Deleted {deleted} audit event(s) older than {duration(age.total_seconds())}."
+        )

@@ -1,0 +1,145 @@
+"""Lock data as HTML for people: badges, times, truncated text, and how a free lock was
+freed. Shared by the admin's lists and pages and the overview page.
+
+The lists must fit a 1366 px screen beside Django's navigation and filter sidebars, so
+cells are short: a time of today is shown as its time of day, long text is cut with the
+whole of it in the ``title`` (hover) and on the object's own page, and relative times
+come from :func:`distlock.status.relative`, the one place durations become words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from distlock.conf import conf
+from distlock.models import Lock, LockEvent
+from distlock.status import EXPIRED, FREE, HELD, relative
+from distlock.times import from_us
+
+_BADGE_COLOURS = {
+    HELD: "#1f7a1f",
+    EXPIRED: "#b35900",
+    FREE: "#666666",
+    LockEvent.Kind.BROKEN: "#b30000",
+    LockEvent.Kind.STALE_WRITE: "#b30000",
+    LockEvent.Kind.LOST: "#b35900",
+    LockEvent.Kind.TOOK_OVER: "#b35900",
+}
+
+
+def badge(value: str, label: str | None = None) -> SafeString:
+    """A coloured pill; white on a dark colour reads in the light and the dark theme."""
+    colour = _BADGE_COLOURS.get(value, "#205080")
+    return format_html(
+        '<span class="distlock-badge distlock-{}" style="background:{}">{}</span>',
+        value, colour, label or value,
+    )
+
+
+def _local(us: int) -> datetime:
+    """The current time zone's time (TIME_ZONE, or the zone a site activated)."""
+    return timezone.localtime(from_us(us))
+
+
+def when(us: int | None) -> SafeString:
+    """A database-clock time to the second in the site's time zone: "04:21:36" when it is
+    today there, "12-01 04:21:36" this year, "2025-12-01 04:21:36" before; the full time
+    with milliseconds and the zone on hover."""
+    if us is None:
+        return SafeString("")
+    local = _local(us)
+    today = timezone.localtime(datetime.now(UTC)).date()
+    if local.date() == today:
+        short = local.strftime("%H:%M:%S")
+    elif local.year == today.year:
+        short = local.strftime("%m-%d %H:%M:%S")
+    else:
+        short = local.strftime("%Y-%m-%d %H:%M:%S")
+    return format_html('<time class="distlock-when" datetime="{}" title="{}">{}</time>',
+                       local.isoformat(), precise(us), short)
+
+
+def precise(us: int | None) -> str:
+    """The full time with milliseconds and the time zone, for a lock's or event's page
+    (leases of a second or less must be told apart there)."""
+    if us is None:
+        return ""
+    local = _local(us)
+    return f"{local:%Y-%m-%d %H:%M:%S}.{local.microsecond // 1000:03d} {local:%Z}".rstrip()
+
+
+def when_and_relative(us: int | None, now_us: int | None) -> SafeString:
+    """The time on one line and "in 59 min" / "12 s ago" under it."""
+    if us is None:
+        return SafeString("")
+    return format_html('{}<span class="distlock-relative">{}</span>', when(us),
+                       relative(us, now_us))
+
+
+def cut(text: str, css: str = "distlock-cut") -> SafeString:
+    """``text`` in a span its CSS class cuts with an ellipsis; all of it on hover."""
+    if not text:
+        return SafeString("")
+    return format_html('<span class="{}" title="{}">{}</span>', css, text, text)
+
+
+def short_owner(owner: str) -> SafeString:
+    """The first 8 hex digits of an owner (enough to tell grants apart on a page)."""
+    if not owner:
+        return SafeString("")
+    return format_html('<code class="distlock-owner" title="{}">{}…</code>', owner, owner[:8])
+
+
+def mark_freed(rows: Iterable[Any], alias: str) -> None:
+    """Set ``freed_by_event`` on each free row: the audit event (``released`` or
+    ``broken``) that freed it, or None when the audit does not say.
+
+    The lock row itself cannot tell a release from a break (both clear the owner), so a
+    page asks the audit, once for all its rows: events of those names at or after the
+    first event of each name and token at or after the row's release time.
+    """
+    free = {row.name: row for row in rows if row.is_free}
+    for row in free.values():
+        row.freed_by_event = None
+    if not free or not conf.AUDIT:
+        # With audit off nothing records a freeing: no query, "freed" it is.
+        return
+    # Each row's own freeing: an event of its name and token recorded at or after its
+    # release time; through the name index, one or two events per row.
+    own = Q()
+    for row in free.values():
+        own |= Q(name=row.name, token=row.token, at_us__gte=row.expires_us or 0)
+    events = (
+        LockEvent.objects.using(alias)
+        .filter(own, kind__in=[LockEvent.Kind.RELEASED, LockEvent.Kind.BROKEN])
+        .order_by("at_us", "id")
+        .only("name", "kind", "at_us", "by", "token")
+    )
+    for event in events:
+        row = free[event.name]
+        if row.freed_by_event is None:
+            row.freed_by_event = event
+
+
+def freed(row: Lock, now_us: int | None) -> SafeString:
+    """ "released 5 s ago", "broken 5 s ago by ops (admin)", or "freed 5 s ago" when
+    the audit does not say which (audit off, or the event purged)."""
+    when_text = relative(row.expires_us, now_us)
+    if not when_text:
+        return SafeString("")
+    event = getattr(row, "freed_by_event", None)
+    if event is None:
+        return format_html('<span class="distlock-freed">freed {}</span>', when_text)
+    if event.kind == LockEvent.Kind.BROKEN:
+        return format_html(
+            '<span class="distlock-freed distlock-freed-broken" title="broken by {}">'
+            "broken {}</span>", event.by or "?", when_text,
+        )
+    return format_html('<span class="distlock-freed">released {}</span>', when_text)

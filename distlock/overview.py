@@ -1,0 +1,183 @@
+"""The queries of the admin's live overview page, each bounded so the page stays cheap
+on a large site (issue 17: every operator view under 150 ms with 1,000,000 lock rows and
+10,000,000 audit events), because the page asks them again every few seconds.
+
+- **Held now** (count and the longest held): one scan of the lock table. Nothing
+  indexes ``owner`` or ``expires_us``, and nothing should: every grant, renewal and
+  release changes them, and an index on either would cost those updates their
+  heap-only (HOT) path on PostgreSQL. The count is a window over the same scan, so it is
+  one pass, and only the first ``HELD_LIMIT`` rows (longest held first) leave the server.
+- **Waiting**: what the wake-up machinery registers. On PostgreSQL a waiting acquire holds
+  a shared advisory lock keyed by its name's hash (see :mod:`distlock.wakeups`), so
+  ``pg_locks`` shows the waiting sessions; their names are found with one more scan of
+  the lock table, only when someone waits. Elsewhere, and with wake-ups off, waiters
+  poll and register nowhere: the page says so instead of guessing.
+- **Most contended in the last hour** and **stale writes refused today**: from the audit
+  history, read through the ``at_us`` index over at most the newest ``EVENT_WINDOW``
+  events of the period (one index walk finds where that window starts). A busier period
+  is summarised from its newest events, and the page says so.
+
+All times are the database clock's, like the rows'; "today" starts at midnight in the
+site's time zone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import connections
+from django.db.models import BigIntegerField, CharField, Count, Max, Q, Value, Window
+from django.utils import timezone
+
+from distlock.backends import backend_for
+from distlock.conf import conf
+from distlock.db import db_now_us
+from distlock.models import Lock, LockEvent
+from distlock.status import HELD
+from distlock.times import EPOCH
+
+HELD_LIMIT = 20
+WAITING_LIMIT = 20
+CONTENDED_LIMIT = 10
+STALE_LIMIT = 10
+# The most audit events one refresh reads; at 10M events the walk to the window's start
+# is the dearest query of the page (docs/operations.md has the figures).
+EVENT_WINDOW = 20_000
+HOUR_US = 3600 * 1_000_000
+
+
+@dataclass
+class Contended:
+    """One name's grants in the window: how many, to how many holders, take-overs."""
+
+    name: str
+    grants: int
+    holders: int
+    took_over: int
+    last_us: int
+
+
+@dataclass
+class Overview:
+    now_us: int
+    held: list[Any] = field(default_factory=list)
+    held_count: int = 0
+    # None: this database cannot tell who waits (see waiting_note).
+    waiting: list[tuple[str, int, str]] | None = None
+    waiting_note: str = ""
+    contended: list[Contended] = field(default_factory=list)
+    contended_capped: bool = False
+    stale: list[LockEvent] = field(default_factory=list)
+    stale_count: int = 0
+    stale_capped: bool = False
+    midnight_us: int = 0
+    audit_on: bool = False
+
+
+def held_now(alias: str, now_us: int, limit: int = HELD_LIMIT) -> tuple[list[Any], int]:
+    """(the ``limit`` longest-held locks, how many are held) in one scan of the table.
+
+    Held at ``now_us``, one reading of the database clock, rather than the clock read in
+    the query: PostgreSQL would call its volatile clock once per row of the scan.
+    """
+    rows = list(
+        Lock.objects.using(alias)
+        .exclude(owner="")
+        .filter(expires_us__gt=now_us)
+        .annotate(
+            held_total=Window(Count("name")), db_now_us=Value(now_us, BigIntegerField()),
+            state=Value(HELD, CharField()),
+        )
+        .order_by("acquired_us", "name")[:limit]
+    )
+    return rows, (rows[0].held_total if rows else 0)
+
+
+def waiting(alias: str) -> tuple[list[tuple[str, int, str]] | None, str]:
+    """(waited-for locks or None when unknown, a note on what this database can tell)."""
+    connection = connections[alias]
+    backend = backend_for(connection)
+    with connection.cursor() as cursor:
+        found = backend.waiting(cursor, WAITING_LIMIT)
+    if found is None:
+        return None, (
+            f"{connection.display_name} does not record waiters: a blocking acquire there "
+            "polls the lock row and registers nowhere. The most contended locks below "
+            "are the best sign of waiting."
+        )
+    if not conf.WAKEUPS or not backend.supports_wakeups():
+        return found, (
+            "Wake-ups are off here (DISTLOCK_WAKEUPS, or psycopg 2): waiters that poll "
+            "without them are not seen."
+        )
+    return found, (
+        "Sessions registered for a wake-up: a process, or one event loop for all its "
+        "waiting coroutines. Waiters with wake-ups off are not seen."
+    )
+
+
+def midnight_us() -> int:
+    """Today's midnight in the site's time zone, in epoch microseconds."""
+    now = timezone.localtime(datetime.now(UTC))
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    return (midnight - EPOCH) // timedelta(microseconds=1)
+
+
+def window_start(alias: str, since_us: int) -> int:
+    """The time of the ``EVENT_WINDOW``-th newest event since ``since_us``, or
+    ``since_us`` when there are fewer: one walk down the ``at_us`` index."""
+    edge = (
+        LockEvent.objects.using(alias).filter(at_us__gte=since_us).order_by("-at_us")
+        .values_list("at_us", flat=True)[EVENT_WINDOW - 1:EVENT_WINDOW]
+    )
+    found = list(edge)
+    return max(since_us, found[0]) if found else since_us
+
+
+def most_contended(alias: str, since_us: int) -> list[Contended]:
+    """Names granted to the most different holders since ``since_us`` (then most grants).
+
+    Refused tries are not recorded anywhere, so grants to different holders and
+    expired take-overs are what the history can show of contention.
+    """
+    grants = [LockEvent.Kind.ACQUIRED, LockEvent.Kind.TOOK_OVER]
+    rows = (
+        LockEvent.objects.using(alias).filter(at_us__gte=since_us, kind__in=grants)
+        .values("name")
+        .annotate(
+            grants=Count("id"), holders=Count("holder", distinct=True),
+            took_over=Count("id", filter=Q(kind=LockEvent.Kind.TOOK_OVER)),
+            last_us=Max("at_us"),
+        )
+        .order_by("-holders", "-grants", "name")[:CONTENDED_LIMIT]
+    )
+    return [Contended(**row) for row in rows]
+
+
+def stale_writes(alias: str, since_us: int) -> tuple[list[LockEvent], int]:
+    """(the newest refused stale writes since ``since_us``, how many there were)."""
+    refused = LockEvent.objects.using(alias).filter(
+        at_us__gte=since_us, kind=LockEvent.Kind.STALE_WRITE
+    )
+    newest = list(refused.order_by("-at_us", "-id")[:STALE_LIMIT])
+    count = len(newest) if len(newest) < STALE_LIMIT else refused.count()
+    return newest, count
+
+
+def overview(alias: str | None = None) -> Overview:
+    """Everything the overview page shows, read now from database ``alias``."""
+    alias = alias or conf.database()
+    now = db_now_us(alias)
+    held, held_count = held_now(alias, now)
+    found, note = waiting(alias)
+    hour_ago, midnight = now - HOUR_US, midnight_us()
+    start = window_start(alias, min(hour_ago, midnight))
+    stale, stale_count = stale_writes(alias, max(start, midnight))
+    return Overview(
+        now_us=now, held=held, held_count=held_count, waiting=found, waiting_note=note,
+        contended=most_contended(alias, max(start, hour_ago)),
+        contended_capped=start > hour_ago, stale=stale, stale_count=stale_count,
+        stale_capped=start > midnight, midnight_us=midnight, audit_on=bool(conf.AUDIT),
+    )
