@@ -223,7 +223,8 @@ def _listening_waiters() -> int:
 def test_threads_waiting_for_one_name_take_turns(lock_db):
     """Threads of one process waiting for a name queue up: they get it in the order they
     came, and only the first of them waits on the database (on PostgreSQL: one LISTEN,
-    where each thread used to listen and race at every release). A thread whose timeout
+    where each thread used to listen and race at every release). A thread that comes back
+    for more right after its release queues behind the others. A thread whose timeout
     ends while it queues gives up on time and the queue goes on without it."""
     holder = acquire("turns", ttl=60)
     order: list[int] = []
@@ -236,6 +237,12 @@ def test_threads_waiting_for_one_name_take_turns(lock_db):
             if lease is not None:
                 order.append(number)
                 lease.release()
+                if number == 0:
+                    # Straight back for more: behind the queue, not ahead of it.
+                    again = acquire("turns", ttl=60, timeout=60)
+                    assert again is not None
+                    order.append(number)
+                    again.release()
         finally:
             connections.close_all()
 
@@ -257,5 +264,5 @@ def test_threads_waiting_for_one_name_take_turns(lock_db):
     for thread in threads:
         thread.join(60)
     assert not any(thread.is_alive() for thread in threads)
-    assert order == [0, 1, 2, 4, 5], "the lock was not handed over in arrival order"
+    assert order == [0, 1, 2, 4, 5, 0], "the lock was not handed over in arrival order"
     assert queued("default", "turns") == 0
