@@ -30,6 +30,7 @@ from distlock import admin_overview
 from distlock.admin_paging import CappedPaginator
 from distlock.admin_timeline import timeline_url
 from distlock.conf import conf
+from distlock.db import db_now_us
 from distlock.display import (
     badge,
     cut,
@@ -42,7 +43,15 @@ from distlock.display import (
 from distlock.exceptions import TransactionNotAllowed
 from distlock.locks import break_lock
 from distlock.models import Lock
-from distlock.status import EXPIRED, FREE, HELD, LockWithState, relative, with_state
+from distlock.status import (
+    EXPIRED,
+    FREE,
+    HELD,
+    LockWithState,
+    relative,
+    state_is,
+    with_state,
+)
 from distlock.validation import check_name, check_owner, check_token
 
 if TYPE_CHECKING:
@@ -80,8 +89,9 @@ class StateFilter(admin.SimpleListFilter):
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() in (HELD, EXPIRED, FREE):
-            return queryset.filter(state=self.value())
+        value = self.value()
+        if value in (HELD, EXPIRED, FREE):
+            return queryset.filter(state_is(value, db_now_us(queryset.db)))
         return queryset
 
 

@@ -35,7 +35,7 @@ from distlock.backends import backend_for
 from distlock.conf import conf
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
-from distlock.status import HELD
+from distlock.status import HELD, state_is
 from distlock.times import EPOCH
 
 HELD_LIMIT = 20
@@ -84,8 +84,7 @@ def held_now(alias: str, now_us: int, limit: int = HELD_LIMIT) -> tuple[list[Any
     """
     rows = list(
         Lock.objects.using(alias)
-        .exclude(owner="")
-        .filter(expires_us__gt=now_us)
+        .filter(state_is(HELD, now_us))
         .annotate(
             held_total=Window(Count("name")), db_now_us=Value(now_us, BigIntegerField()),
             state=Value(HELD, CharField()),

@@ -253,6 +253,10 @@ class PostgreSQL(Backend):
         return [(OK, f"session isolation level is {isolation}; serialization failures "
                      "are retried"), *pooler_findings(connection)]
 
+    def owned_index_sql(self, create: bool) -> str:
+        # CONCURRENTLY: grants and releases go on while a large table is read.
+        return super().owned_index_sql(create).replace(" INDEX ", " INDEX CONCURRENTLY ", 1)
+
     def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
         """A trigger that refuses any UPDATE lowering ``column`` (RefuseLowerFenceToken)."""
         quote = schema_editor.quote_name
