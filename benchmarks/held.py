@@ -172,8 +172,9 @@ def server_cpu_ns(db_alias: str) -> int | None:
         return None
 
 
-def one(db_alias: str, cycles: int, repeat: int) -> dict[str, float]:
-    """The grant path, its HOT share, and the views, on the table as it is now."""
+def grant_path(db_alias: str, cycles: int) -> dict[str, float]:
+    """``cycles`` acquire / renew / release cycles on the table as it is now: p50 µs of
+    each, cycles/s, client and (PostgreSQL) server CPU per cycle, HOT share."""
     from django.db import connections
 
     before = rows.hot_counts(db_alias)
@@ -193,8 +194,13 @@ def one(db_alias: str, cycles: int, repeat: int) -> dict[str, float]:
     after = rows.hot_counts(db_alias)
     if before and after and after[0] > before[0]:
         result["HOT"] = (after[1] - before[1]) / (after[0] - before[0])
-    pages = rows_admin.time_pages(db_alias, repeat, only=VIEWS)
-    result.update(pages)
+    return result
+
+
+def one(db_alias: str, cycles: int, repeat: int) -> dict[str, float]:
+    """The grant path, its HOT share, and the views, on the table as it is now."""
+    result = grant_path(db_alias, cycles)
+    result.update(rows_admin.time_pages(db_alias, repeat, only=VIEWS))
     result["held now (overview query)"] = held_query_ms(db_alias, repeat)
     return result
 
@@ -265,28 +271,16 @@ def grant_pairs(backend: str, size: int, args: argparse.Namespace) -> None:
     for pair in range(args.pairs):
         for design in (("no index", "shipped") if pair % 2 == 0 else ("shipped", "no index")):
             set_design(db_alias, shipped if design == "shipped" else None)
-            before = rows.hot_counts(db_alias)
-            rows.measure(db_alias, 0, 10)
-            server, client = server_cpu_ns(db_alias), time.process_time_ns()
-            started = time.perf_counter()
-            rows.measure(db_alias, 0, args.cycles)
-            seconds = time.perf_counter() - started
-            row = {"cycles/s": args.cycles / seconds,
-                   "client CPU µs/cycle": (time.process_time_ns() - client) / args.cycles / 1000}
-            server_after = server_cpu_ns(db_alias)
-            if server is not None and server_after is not None:
-                row["server CPU µs/cycle"] = (server_after - server) / args.cycles / 1000
-            connections[db_alias].close()
-            after = rows.hot_counts(db_alias)
-            if before and after and after[0] > before[0]:
-                row["HOT"] = (after[1] - before[1]) / (after[0] - before[0])
+            row = grant_path(db_alias, args.cycles)
             got[design].append(row)
     set_design(db_alias, shipped)
     print(f"\n{backend}, {rows.label(size)} rows: grant path without / with the shipped index, "
           f"{args.pairs} alternations of {args.cycles} cycles (medians)\n\n"
           "| | no index | shipped index | with / without (median of pairs) |\n"
           "|---|---:|---:|---:|")
-    for key in got["no index"][0]:
+    for key in ("cycles/s", "client CPU µs/cycle", "server CPU µs/cycle", "HOT"):
+        if key not in got["no index"][0]:
+            continue
         without = [r[key] for r in got["no index"]]
         with_index = [r[key] for r in got["shipped"]]
         ratio = statistics.median(w / wo for w, wo in zip(with_index, without, strict=True)

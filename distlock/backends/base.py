@@ -213,7 +213,9 @@ class Backend(TokenFloorSQL):
     def owned_index_sql(self, create: bool) -> str:
         """Create (or drop) the index of the owned lock rows (migration 0005)."""
         if create:
-            return f"CREATE INDEX IF NOT EXISTS {OWNED_INDEX} ON {TABLE} (name) WHERE owner > ''"
+            # No IF NOT EXISTS: an interrupted CONCURRENTLY build leaves an invalid index
+            # of this name, which must fail the next migrate, not pass for built.
+            return f"CREATE INDEX {OWNED_INDEX} ON {TABLE} (name) WHERE owner > ''"
         return f"DROP INDEX IF EXISTS {OWNED_INDEX}"
 
     def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:

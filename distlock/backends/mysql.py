@@ -53,7 +53,7 @@ class MySQL(Backend):
         # No partial indexes: one on owner, which a renewal does not change. INPLACE and
         # LOCK=NONE: writes go on while it is built.
         if create:
-            return (f"CREATE INDEX IF NOT EXISTS {OWNED_INDEX} ON {LOCK_TABLE} (owner) "
+            return (f"CREATE INDEX {OWNED_INDEX} ON {LOCK_TABLE} (owner) "
                     "ALGORITHM=INPLACE LOCK=NONE")
         return f"DROP INDEX IF EXISTS {OWNED_INDEX} ON {LOCK_TABLE}"
 
