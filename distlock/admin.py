@@ -74,7 +74,10 @@ class _LockChangeList(ChangeList):
 
 
 class StateFilter(admin.SimpleListFilter):
-    """Held / expired / free, judged by the database clock in the listing query itself."""
+    """Held / expired / free by the database clock, read once just before the listing
+    query and compared with columns (``state_is``), so the owned rows' index serves it; a
+    lease that ends between that reading and the query is listed under "held" with the
+    badge "expired", which the query reads with the clock of its own instant."""
 
     title = "state"
     parameter_name = "state"
