@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -57,6 +58,7 @@ def pages() -> dict[str, str]:
     return {
         "Locks changelist": changelist,
         "state = held": f"{changelist}?state=held",
+        "state = expired": f"{changelist}?state=expired",
         "state = free": f"{changelist}?state=free",
         "search a name": f"{changelist}?q=hot%3A042",
         "a lock's page": reverse("admin:distlock_lock_change", args=[quote("hot:042")]),
@@ -112,8 +114,10 @@ def fill_events(db_alias: str, count: int, names: int) -> None:
             cursor.fetchall()
 
 
-def time_pages(db_alias: str, repeat: int) -> dict[str, float]:
-    """Median milliseconds of each page, with the lock table on ``db_alias``."""
+def time_pages(db_alias: str, repeat: int,
+               only: Iterable[str] | None = None) -> dict[str, float]:
+    """Median milliseconds of each page (of those labelled ``only``), with the lock table
+    on ``db_alias``."""
     from django.contrib.auth.models import User
     from django.test import Client, override_settings
 
@@ -124,6 +128,8 @@ def time_pages(db_alias: str, repeat: int) -> dict[str, float]:
     got = {}
     with override_settings(DISTLOCK_DATABASE=db_alias):
         for label, url in pages().items():
+            if only is not None and label not in only:
+                continue
             times = []
             for i in range(repeat + 2):
                 started = time.perf_counter()

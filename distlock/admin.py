@@ -30,6 +30,7 @@ from distlock import admin_overview
 from distlock.admin_paging import CappedPaginator
 from distlock.admin_timeline import timeline_url
 from distlock.conf import conf
+from distlock.db import db_now_us
 from distlock.display import (
     badge,
     cut,
@@ -42,7 +43,15 @@ from distlock.display import (
 from distlock.exceptions import TransactionNotAllowed
 from distlock.locks import break_lock
 from distlock.models import Lock
-from distlock.status import EXPIRED, FREE, HELD, LockWithState, relative, with_state
+from distlock.status import (
+    EXPIRED,
+    FREE,
+    HELD,
+    LockWithState,
+    relative,
+    state_is,
+    with_state,
+)
 from distlock.validation import check_name, check_owner, check_token
 
 if TYPE_CHECKING:
@@ -65,7 +74,10 @@ class _LockChangeList(ChangeList):
 
 
 class StateFilter(admin.SimpleListFilter):
-    """Held / expired / free, judged by the database clock in the listing query itself."""
+    """Held / expired / free by the database clock, read once just before the listing
+    query and compared with columns (``state_is``), so the owned rows' index serves it; a
+    lease that ends between that reading and the query is listed under "held" with the
+    badge "expired", which the query reads with the clock of its own instant."""
 
     title = "state"
     parameter_name = "state"
@@ -80,8 +92,9 @@ class StateFilter(admin.SimpleListFilter):
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() in (HELD, EXPIRED, FREE):
-            return queryset.filter(state=self.value())
+        value = self.value()
+        if value in (HELD, EXPIRED, FREE):
+            return queryset.filter(state_is(value, db_now_us(queryset.db)))
         return queryset
 
 

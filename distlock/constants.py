@@ -8,6 +8,8 @@ from __future__ import annotations
 
 # The lock table and the audit history, as created by distlock's migrations.
 LOCK_TABLE = "distlock_lock"
+# The index of the owned (held or expired) lock rows (Lock.Meta.indexes).
+OWNED_INDEX = "distlock_lock_owned"
 EVENT_TABLE = "distlock_lockevent"
 # One row: the largest token of any lock row purge_locks() deleted. A new lock row starts
 # above it (see Backend.acquire_new).

@@ -2,11 +2,11 @@
 on a large site (issue 17: every operator view under 150 ms with 1,000,000 lock rows and
 10,000,000 audit events), because the page asks them again every few seconds.
 
-- **Held now** (count and the longest held): one scan of the lock table. Nothing
-  indexes ``owner`` or ``expires_us``, and nothing should: every grant, renewal and
-  release changes them, and an index on either would cost those updates their
-  heap-only (HOT) path on PostgreSQL. The count is a window over the same scan, so it is
-  one pass, and only the first ``HELD_LIMIT`` rows (longest held first) leave the server.
+- **Held now** (count and the longest held): read through the index of the owned rows
+  (migration 0005), so it costs what is held, not what the table holds; the count is a
+  window over the same read, and only the first ``HELD_LIMIT`` rows (longest held
+  first) leave the server. The index costs grants and releases their heap-only (HOT)
+  update on PostgreSQL, renewals keep it (docs/decisions.md, "Held now").
 - **Waiting**: what the wake-up machinery registers. On PostgreSQL a waiting acquire holds
   a shared advisory lock keyed by its name's hash (see :mod:`distlock.wakeups`), so
   ``pg_locks`` shows the waiting sessions; their names are found with one more scan of
@@ -35,7 +35,7 @@ from distlock.backends import backend_for
 from distlock.conf import conf
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
-from distlock.status import HELD
+from distlock.status import HELD, state_is
 from distlock.times import EPOCH
 
 HELD_LIMIT = 20
@@ -84,8 +84,7 @@ def held_now(alias: str, now_us: int, limit: int = HELD_LIMIT) -> tuple[list[Any
     """
     rows = list(
         Lock.objects.using(alias)
-        .exclude(owner="")
-        .filter(expires_us__gt=now_us)
+        .filter(state_is(HELD, now_us))
         .annotate(
             held_total=Window(Count("name")), db_now_us=Value(now_us, BigIntegerField()),
             state=Value(HELD, CharField()),

@@ -55,6 +55,25 @@ def state_case(alias: str) -> models.Case:
     )
 
 
+def state_is(state: str, now_us: int) -> models.Q:
+    """The rows in ``state`` at ``now_us`` (one reading of the database clock), as plain
+    column comparisons: what :func:`state_case` says, in a form an index or an early stop
+    can use. Filtering on the CASE itself made the database compute it for every row, and
+    on PostgreSQL read its volatile clock once per row (issue 17: ``?state=held`` took
+    280–380 ms at 1,000,000 rows)."""
+    # "owner > ''", not "owner <> ''": the same rows ('' sorts before every owner), and
+    # a range that MariaDB's index on owner can seek and that matches, term for term,
+    # the condition of the partial index on PostgreSQL and SQLite (migration 0005).
+    owned = models.Q(owner__gt="")
+    if state == HELD:
+        return owned & models.Q(expires_us__gt=now_us)
+    if state == EXPIRED:
+        return owned & ~models.Q(expires_us__gt=now_us)
+    if state == FREE:
+        return models.Q(owner="")
+    raise ValueError(f"state must be one of {', '.join(STATES)}, not {state!r}")
+
+
 def with_state(
     queryset: models.QuerySet[Lock], alias: str
 ) -> models.QuerySet[LockWithState]:

@@ -21,6 +21,7 @@ from django.utils.timezone import localtime
 from distlock import LockLost, acquire, break_lock
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
+from distlock.status import EXPIRED, FREE, HELD, STATES, locks, state_is
 from tests.support.helpers import expired_lock
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -132,6 +133,23 @@ def test_state_is_computed_by_the_database(su_client, three_locks):
 def test_filter_by_state(su_client, three_locks, state):
     response = su_client.get(reverse(CHANGELIST), {"state": state})
     assert result_names(response) == [f"job:{state}"]
+
+
+def test_state_filters_agree_with_the_badge(three_locks):
+    """The filters compare columns with one reading of the clock (so an index or an early
+    stop can serve them), the badge is the database's CASE: each row is in the filter of
+    its badge and no other; an expired row is not held."""
+    now = db_now_us("default")
+    shown = {row.name: row.state for row in locks("default")}
+    assert shown == {"job:held": HELD, "job:expired": EXPIRED, "job:free": FREE}
+    for state in STATES:
+        found = Lock.objects.filter(state_is(state, now)).values_list("name", flat=True)
+        assert set(found) == {name for name, badge in shown.items() if badge == state}
+
+
+def test_state_filter_refuses_an_unknown_state():
+    with pytest.raises(ValueError, match="held, expired, free"):
+        state_is("stuck", 0)
 
 
 def test_filter_offers_the_three_states(su_client, three_locks):

@@ -4,7 +4,8 @@
 functions (nothing elsewhere). 0002 replaces the pre-release steps 0003–0007, so a
 database those migrated counts as migrated without running anything. 0003_token_floor
 makes the token floor, started at the table's largest token, and redefines
-distlock_acquire on PostgreSQL to start new rows above it.
+distlock_acquire on PostgreSQL to start new rows above it. 0005 indexes the owned lock
+rows, each vendor in its own form.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.recorder import MigrationRecorder
 
 from distlock import acquire
-from distlock.constants import EVENT_TABLE, FLOOR_TABLE, LOCK_TABLE
+from distlock.constants import EVENT_TABLE, FLOOR_TABLE, LOCK_TABLE, OWNED_INDEX
 from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -43,7 +44,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0004_lockevent_name_at_index")
+LATEST = ("distlock", "0005_lock_owned_index")
 
 
 def tables() -> set[str]:
@@ -138,6 +139,22 @@ def test_postgresql_lock_table_fillfactor_goes_with_the_functions(migrated_back:
     assert options() is None
     call_command("migrate", "distlock", verbosity=0)
     assert options() == ["fillfactor=70"]
+
+
+def owned_index() -> dict[str, object] | None:
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, LOCK_TABLE)
+    return found.get(OWNED_INDEX)
+
+
+def test_owned_rows_index_comes_and_goes_with_0005(migrated_back: None) -> None:
+    """PostgreSQL and SQLite: a partial index on name; MariaDB: an index on owner."""
+    columns = ["owner"] if connection.vendor == "mysql" else ["name"]
+    assert owned_index() is not None and owned_index()["columns"] == columns
+    call_command("migrate", "distlock", "0004", verbosity=0)
+    assert owned_index() is None
+    call_command("migrate", "distlock", verbosity=0)
+    assert owned_index() is not None and owned_index()["columns"] == columns
 
 
 def test_a_database_the_pre_release_series_migrated_counts_as_migrated() -> None:

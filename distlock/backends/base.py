@@ -29,7 +29,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.floor import TokenFloorSQL
 from distlock.constants import LOCK_TABLE as TABLE
-from distlock.constants import MAX_TOKEN
+from distlock.constants import MAX_TOKEN, OWNED_INDEX
 from distlock.exceptions import TokenExhausted
 
 # The levels of distlock_doctor's findings.
@@ -209,6 +209,14 @@ class Backend(TokenFloorSQL):
     def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
         """distlock_doctor's probes of this vendor: (level, message) pairs."""
         return []
+
+    def owned_index_sql(self, create: bool) -> str:
+        """Create (or drop) the index of the owned lock rows (migration 0005)."""
+        if create:
+            # No IF NOT EXISTS: an interrupted CONCURRENTLY build leaves an invalid index
+            # of this name, which must fail the next migrate, not pass for built.
+            return f"CREATE INDEX {OWNED_INDEX} ON {TABLE} (name) WHERE owner > ''"
+        return f"DROP INDEX IF EXISTS {OWNED_INDEX}"
 
     def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
         raise NotImplementedError

@@ -9,6 +9,7 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import FAIL, OK, WARN, Backend
+from distlock.constants import LOCK_TABLE, OWNED_INDEX
 
 # Deadlock (1213) and "record has changed since last read" (1020) roll the transaction
 # back: safe to run it again.
@@ -47,6 +48,14 @@ class MySQL(Backend):
         # INSERT IGNORE, not "lock if exists else insert": the locking read of a missing
         # key takes a gap lock, and two first users of nearby names then deadlock.
         return f"INSERT IGNORE INTO {table} {columns} {values}"
+
+    def owned_index_sql(self, create: bool) -> str:
+        # No partial indexes: one on owner, which a renewal does not change. INPLACE and
+        # LOCK=NONE: writes go on while it is built.
+        if create:
+            return (f"CREATE INDEX {OWNED_INDEX} ON {LOCK_TABLE} (owner) "
+                    "ALGORITHM=INPLACE LOCK=NONE")
+        return f"DROP INDEX IF EXISTS {OWNED_INDEX} ON {LOCK_TABLE}"
 
     def name_equals_sql(self, sql: str) -> str:
         # The default collations fold case, accents and trailing spaces.

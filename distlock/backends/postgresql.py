@@ -186,8 +186,8 @@ class PostgreSQL(Backend):
         """Waiters hold a shared advisory lock (1684825963, hashtext(name)) while they
         wait (``distlock_listen``), so ``pg_locks`` lists them, one row per waiting
         session (a process, or an event loop for all its coroutines). The keys are
-        matched to names among the lock rows that are not free, in one scan of the lock
-        table, and only when someone waits at all."""
+        matched to names among the lock rows that are not free, read through the index
+        of the owned rows (``owner > ''``, migration 0005), and only when someone waits."""
         cursor.execute(f"SELECT count(*) FROM ({_WAITERS}) AS w")
         if cursor.fetchone()[0] == 0:
             return []
@@ -253,6 +253,10 @@ class PostgreSQL(Backend):
         return [(OK, f"session isolation level is {isolation}; serialization failures "
                      "are retried"), *pooler_findings(connection)]
 
+    def owned_index_sql(self, create: bool) -> str:
+        # CONCURRENTLY: grants and releases go on while a large table is read.
+        return super().owned_index_sql(create).replace(" INDEX ", " INDEX CONCURRENTLY ", 1)
+
     def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
         """A trigger that refuses any UPDATE lowering ``column`` (RefuseLowerFenceToken)."""
         quote = schema_editor.quote_name
@@ -285,7 +289,7 @@ _WAITING = (
     "|| w.pid, ', ' ORDER BY w.pid) AS who FROM w LEFT JOIN pg_stat_activity a "
     f"ON a.pid = w.pid GROUP BY w.key) SELECT d.name, k.sessions, k.who FROM {LOCK_TABLE} d "
     "JOIN k ON (hashtext(d.name)::bigint & 4294967295) = k.key "
-    "WHERE d.owner <> '' ORDER BY k.sessions DESC, d.name LIMIT %s"
+    "WHERE d.owner > '' ORDER BY k.sessions DESC, d.name LIMIT %s"
 )
 
 
