@@ -193,7 +193,7 @@ class NativePsycopg(Design):
 
     async def acycle(self, name: str, blocking: bool) -> float:
         from distlock.async_wakeups import AsyncWaiter
-        from distlock.backends.base import Busy
+        from distlock.backends.results import Busy
         from distlock.constants import MAX_TOKEN
         from distlock.grants import describe_holder, pause_before_retry
 

@@ -37,7 +37,7 @@ from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
 from benchmarks import run  # noqa: E402
 from distlock.backends import postgresql  # noqa: E402
-from distlock.backends.base import Grant  # noqa: E402
+from distlock.backends.results import Grant  # noqa: E402
 
 HOLDER = "bench pid=0 thread=MainThread"  # as long as distlock's own holder text
 PG = postgresql.PostgreSQL()

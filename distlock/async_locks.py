@@ -46,7 +46,7 @@ from asgiref.sync import iscoroutinefunction, sync_to_async
 
 from distlock import grants, uncommitted
 from distlock.async_wakeups import AsyncWaiter
-from distlock.backends.base import Busy
+from distlock.backends.results import Busy
 from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
 from distlock.leases import Lease, LostCallback
 from distlock.locks import LockBlock, break_lock, call_namer, name_template, purge_locks

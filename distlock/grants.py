@@ -22,7 +22,7 @@ from django.db import DatabaseError, connections
 
 from distlock import db, signals
 from distlock.backends import backend_for
-from distlock.backends.base import Busy, Grant
+from distlock.backends.results import Busy, Grant
 from distlock.conf import conf
 from distlock.constants import HOLDER_LENGTH
 from distlock.leases import Lease, logger

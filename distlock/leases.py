@@ -17,7 +17,7 @@ from django.db import connections, transaction
 
 from distlock import db, signals, uncommitted, wakeups
 from distlock.backends import backend_for
-from distlock.backends.base import Grant
+from distlock.backends.results import Grant
 from distlock.conf import conf
 from distlock.exceptions import LockLost
 from distlock.times import from_us

@@ -15,7 +15,7 @@ from typing import Any, ParamSpec, TypeVar
 from asgiref.sync import iscoroutinefunction
 
 from distlock import db, grants, signals, uncommitted
-from distlock.backends.base import Busy, Grant
+from distlock.backends.results import Busy, Grant
 from distlock.constants import PURGE_BATCH
 from distlock.exceptions import LockTimeout
 from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry

@@ -36,7 +36,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock import acquire, break_lock, signals
 from distlock.backends import backend_for
-from distlock.backends.base import Grant
+from distlock.backends.results import Grant
 from distlock.constants import LOCK_TABLE
 from distlock.leases import Lease
 from distlock.models import Lock

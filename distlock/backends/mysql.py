@@ -8,7 +8,8 @@ from django.core.checks import CheckMessage, Warning
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends.base import FAIL, OK, WARN, Backend
+from distlock.backends.base import Backend
+from distlock.backends.results import FAIL, OK, WARN
 from distlock.constants import LOCK_TABLE, OWNED_INDEX
 
 # Deadlock (1213) and "record has changed since last read" (1020) roll the transaction

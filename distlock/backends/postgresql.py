@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends.base import FAIL, OK, RENEW_REFUSED, WARN, Backend, Busy, Grant, exhausted
+from distlock.backends.base import Backend
+from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE, MAX_TOKEN
 

@@ -7,7 +7,8 @@ from typing import Any
 from django.core.checks import CheckMessage, Error
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends.base import FAIL, OK, WARN, Backend
+from distlock.backends.base import Backend
+from distlock.backends.results import FAIL, OK, WARN
 from distlock.exceptions import TransactionNotAllowed
 from distlock.validation import positive_seconds
 

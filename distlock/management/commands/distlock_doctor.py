@@ -17,7 +17,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends import backend_for, backend_named
-from distlock.backends.base import FAIL, OK, WARN
+from distlock.backends.results import FAIL, OK, WARN
 from distlock.conf import conf
 from distlock.db import db_now_us, same_settings
 from distlock.management.commands._common import LockCommand, parse_seconds
