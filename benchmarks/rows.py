@@ -58,13 +58,14 @@ def alias(backend: str, size: int) -> str:
     return f"{backend}_{label(size)}"
 
 
-def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
+def configure(backends: list[str], sizes: tuple[int, int], folder: str,
+              suffix: str = "") -> None:
     import django
     from django.conf import settings
 
     databases: dict[str, Any] = {}
     for size in sizes:
-        name = f"distlock_bench_rw_{label(size).lower()}"
+        name = f"distlock_bench_rw_{label(size).lower()}{suffix}"
         if "postgresql" in backends:
             pg = dbs.pg_settings()
             databases[alias("postgresql", size)] = {**pg, "NAME": name}
@@ -72,7 +73,9 @@ def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
             databases[alias("mariadb", size)] = {**dbs.maria_settings(), "NAME": name}
         if "sqlite" in backends:
             databases[alias("sqlite", size)] = dbs.sqlite_settings(f"{folder}/{name}.sqlite3")
-    databases["default"] = next(iter(databases.values()))
+    # Django's own tables (the admin's user and session) in a file of their own: a
+    # benchmark database is created by fill(), after Django has set up.
+    databases["default"] = dbs.sqlite_settings(f"{folder}/default.sqlite3")
     settings.configure(
         DATABASES=databases,
         INSTALLED_APPS=["django.contrib.contenttypes", *rows_admin.APPS, "distlock"],
@@ -80,6 +83,9 @@ def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
         DEBUG=False, **rows_admin.SETTINGS,
     )
     django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", database="default", verbosity=0, interactive=False)
 
 
 def create_database(db_alias: str) -> None:
@@ -269,6 +275,42 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
           "|---|---:|---:|---:|")
     for page in small:
         print(f"| {page} | {small[page]:,.1f} | {big[page]:,.1f} | {defaults[page]:,.1f} |")
+    small, big = (search_times(alias(backend, size), args.admin_repeat) for size in sizes)
+    print(f"\n| Locks search ({backend}, median ms) | {s} | {b} |\n|---|---:|---:|")
+    for what, term in SEARCHES.items():
+        print(f"| {what} (`{term}`) | {small[what]:,.1f} | {big[what]:,.1f} |")
+
+
+# The Locks list's search box (distlock/admin_search.py) with terms of each kind: a
+# prefix of 1 name, of about 1% of the large table, of all of it, one exact name, none.
+SEARCHES = {"prefix, 1 name": "hot:042", "prefix, 1% of rows": "fill:00",
+            "prefix, every fill row": "fill:", "exact (=name)": "=hot:042",
+            "prefix, no name": "zzz"}
+
+
+def search_times(db_alias: str, repeat: int) -> dict[str, float]:
+    """Median server milliseconds of the Locks list searched for each of SEARCHES."""
+    from django.contrib.auth.models import User
+    from django.test import Client, override_settings
+    from django.urls import reverse
+
+    user = User.objects.filter(username="bench").first() or User.objects.create_superuser(
+        "bench", "bench@example.com", "bench")
+    client = Client()
+    client.force_login(user)
+    url = reverse("admin:distlock_lock_changelist")
+    got = {}
+    with override_settings(DISTLOCK_DATABASE=db_alias):
+        for what, term in SEARCHES.items():
+            times = []
+            for i in range(repeat + 2):  # two warm-ups
+                started = time.perf_counter()
+                response = client.get(url, {"q": term})
+                assert response.status_code == 200, (term, response.status_code)
+                if i >= 2:
+                    times.append((time.perf_counter() - started) * 1000)
+            got[what] = statistics.median(times)
+    return got
 
 
 def _progress(text: str) -> None:
@@ -348,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 10,000,000; 20,000 with --quick; 0: none)")
     parser.add_argument("--token-index", action="store_true",
                         help="measure with an index on token (the alternative to the floor)")
+    parser.add_argument("--db-suffix", default="",
+                        help="appended to the databases' names (runs that must not share)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.firsts, args.cycles, args.big = 1, 30, 50, 20_000
@@ -362,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = (1000, args.big)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="distlock-rows-") as folder:
-        configure(backends, sizes, folder)
+        configure(backends, sizes, folder, args.db_suffix)
         print(f"## distlock rows benchmark\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
               f", load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         for backend in backends:

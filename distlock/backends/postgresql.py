@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock.backends import pg_collation
 from distlock.backends.base import FAIL, OK, RENEW_REFUSED, WARN, Backend, Busy, Grant, exhausted
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE, MAX_TOKEN
@@ -245,6 +246,9 @@ class PostgreSQL(Backend):
         return release(cursor, name, owner, token, bool(conf.DURABLE_RELEASE))
 
     # -- checks, the doctor, migrations --------------------------------------------------
+
+    def names_in_code_point_order(self, connection: BaseDatabaseWrapper) -> bool:
+        return pg_collation.code_point_order(connection)
 
     def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
         with connection.cursor() as cursor:
