@@ -28,7 +28,6 @@ temporary folder.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import databases as dbs  # noqa: E402
-from benchmarks import rows_admin  # noqa: E402
+from benchmarks import rows_admin, rows_purge  # noqa: E402
 from benchmarks.harness import percentile  # noqa: E402
 
 BACKENDS = ("postgresql", "mariadb", "sqlite")
@@ -208,47 +207,6 @@ def hot_counts(db_alias: str) -> tuple[int, int] | None:
     return int(upd), int(hot)
 
 
-def _purge_child(db_alias: str, queue: Any) -> None:
-    """purge_locks, batch by batch as it runs them, timing each batch's transaction."""
-    from distlock import db
-    from distlock.constants import PURGE_BATCH
-
-    batches: list[float] = []
-    deleted = 0
-    after: str | None = ""
-    started = time.perf_counter()
-    while after is not None:
-        (count, after), took = timed(
-            lambda after=after: db.run(db_alias, "purge_batch", 3600 * 10**6, after,
-                                       PURGE_BATCH))
-        deleted += count
-        batches.append(took)
-    queue.put({"deleted": deleted, "seconds": time.perf_counter() - started,
-               "batch_p50_ms": percentile(batches, 0.5) / 1000,
-               "batch_max_ms": max(batches) / 1000, "batches": len(batches)})
-
-
-def purge_beside(db_alias: str, cycles: int) -> dict[str, Any]:
-    """Acquire p50/p99 of cycles on an idle table, then beside a purge of it."""
-    from django.db import connections
-
-    idle = measure(db_alias, 0, cycles)["re-acquire"]
-    connections.close_all()
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_purge_child, args=(db_alias, queue))
-    child.start()
-    beside: list[float] = []
-    while child.is_alive() and queue.empty():
-        beside += measure(db_alias, 0, HOT_NAMES)["re-acquire"]
-    report = queue.get(timeout=600)
-    child.join(timeout=60)
-    return {**report, "cycles_beside": len(beside),
-            "idle_p50": percentile(idle, 0.5), "idle_p99": percentile(idle, 0.99),
-            "beside_p50": percentile(beside, 0.5) if beside else None,
-            "beside_p99": percentile(beside, 0.99) if beside else None}
-
-
 def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
     """The admin pages on both tables, as configured, and on the large one also with
     Django's defaults (a second count of the whole table under a filter or search, and
@@ -337,12 +295,33 @@ def report(backend: str, sizes: tuple[int, int],
     return lines
 
 
+def purge_rounds(backend: str, size: int, args: argparse.Namespace) -> None:
+    """Purge beside acquire (benchmarks/rows_purge.py), --purge-rounds rounds for each
+    --purge-batch size, the large table filled again before each."""
+    db_alias = alias(backend, size)
+    print(f"\npurge beside acquire ({label(size)} idle rows; medians of rounds)\n")
+    print(rows_purge.table_head())
+    for batch in args.purge_batch:
+        rounds = []
+        for round_no in range(args.purge_rounds):
+            fill(db_alias, size)
+            rounds.append(rows_purge.one_round(
+                db_alias, lambda n: measure(db_alias, 0, n)["re-acquire"], args.cycles, batch))
+            _progress(f"{backend} purge, batch {batch}, round {round_no + 1}: "
+                      f"{rows_purge.table_row(backend, batch, rounds[-1:])}")
+        print(rows_purge.table_row(backend, batch, rounds), flush=True)
+
+
 def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
     from django.db import connections
 
     for size in sizes:
         fill(alias(backend, size), size)
         token_index(alias(backend, size), args.token_index)
+    if args.only_purge:
+        purge_rounds(backend, sizes[1], args)
+        connections.close_all()
+        return
     before = hot_counts(alias(backend, sizes[1]))
     rounds: list[dict[int, dict[str, list[float]]]] = []
     for round_no in range(args.rounds):
@@ -363,13 +342,7 @@ def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
     if not args.no_admin:
         admin_pages(backend, sizes, args)
     if not args.no_purge:
-        got = purge_beside(alias(backend, sizes[1]), args.cycles)
-        print(f"\npurge beside acquire ({label(sizes[1])} idle rows): deleted "
-              f"{got['deleted']:,} in {got['seconds']:.1f} s, {got['batches']} batches, "
-              f"batch p50 {got['batch_p50_ms']:.1f} ms, max {got['batch_max_ms']:.1f} ms; "
-              f"acquire p50/p99 µs idle {_us(got['idle_p50'])} / {_us(got['idle_p99'])}, "
-              f"beside the purge {_us(got['beside_p50'])} / {_us(got['beside_p99'])} "
-              f"({got['cycles_beside']} acquires)")
+        purge_rounds(backend, sizes[1], args)
     connections.close_all()
 
 
@@ -390,19 +363,33 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 10,000,000; 20,000 with --quick; 0: none)")
     parser.add_argument("--token-index", action="store_true",
                         help="measure with an index on token (the alternative to the floor)")
+    parser.add_argument("--only-purge", action="store_true",
+                        help="only purge beside acquire (no operation rounds, no admin)")
+    parser.add_argument("--purge-rounds", type=int, default=3,
+                        help="rounds of purge beside acquire (each refills the table)")
+    parser.add_argument("--purge-batch", default=None,
+                        help="batch sizes to compare, e.g. 250,1000 (default PURGE_BATCH)")
     parser.add_argument("--db-suffix", default="",
                         help="appended to the databases' names (runs that must not share)")
     args = parser.parse_args(argv)
+    from distlock.constants import PURGE_BATCH
+
+    try:
+        args.purge_batch = [int(b) for b in (args.purge_batch or str(PURGE_BATCH)).split(",")]
+    except ValueError:
+        parser.error("--purge-batch: whole numbers, e.g. 250,1000")
     if args.quick:
         args.rounds, args.firsts, args.cycles, args.big = 1, 30, 50, 20_000
-        args.admin_repeat = 1
+        args.admin_repeat, args.purge_rounds = 1, 1
     if args.events is None:
         args.events = 20_000 if args.quick else 10_000_000
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {', '.join(BACKENDS)}")
-    if args.rounds < 1 or args.firsts < 1 or args.cycles < 1 or args.big < 2000:
-        parser.error("need --rounds, --firsts, --cycles ≥ 1 and --big ≥ 2000")
+    if (args.rounds < 1 or args.firsts < 1 or args.cycles < 1 or args.big < 2000
+            or args.purge_rounds < 1 or min(args.purge_batch) < 1):
+        parser.error("need --rounds, --firsts, --cycles, --purge-rounds, --purge-batch ≥ 1 "
+                     "and --big ≥ 2000")
     sizes = (1000, args.big)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="distlock-rows-") as folder:
