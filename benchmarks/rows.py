@@ -302,14 +302,16 @@ def purge_rounds(backend: str, size: int, args: argparse.Namespace) -> None:
     print(f"\npurge beside acquire ({label(size)} idle rows; medians of rounds)\n")
     print(rows_purge.table_head())
     for batch in args.purge_batch:
-        rounds = []
-        for round_no in range(args.purge_rounds):
-            fill(db_alias, size)
-            rounds.append(rows_purge.one_round(
-                db_alias, lambda n: measure(db_alias, 0, n)["re-acquire"], args.cycles, batch))
-            _progress(f"{backend} purge, batch {batch}, round {round_no + 1}: "
-                      f"{rows_purge.table_row(backend, batch, rounds[-1:])}")
-        print(rows_purge.table_row(backend, batch, rounds), flush=True)
+        for rest in args.purge_rest:
+            rounds = []
+            for round_no in range(args.purge_rounds):
+                fill(db_alias, size)
+                rounds.append(rows_purge.one_round(
+                    db_alias, lambda n: measure(db_alias, n // 10, n), args.cycles, batch,
+                    rest))
+                _progress(f"{backend} purge round {round_no + 1}: "
+                          f"{rows_purge.table_row(backend, batch, rest, rounds[-1:])}")
+            print(rows_purge.table_row(backend, batch, rest, rounds), flush=True)
 
 
 def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
@@ -369,15 +371,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of purge beside acquire (each refills the table)")
     parser.add_argument("--purge-batch", default=None,
                         help="batch sizes to compare, e.g. 250,1000 (default PURGE_BATCH)")
+    parser.add_argument("--purge-rest", default=None,
+                        help="rests between batches to compare, as multiples of the batch's "
+                             "time, e.g. 0,1 (default PURGE_REST)")
     parser.add_argument("--db-suffix", default="",
                         help="appended to the databases' names (runs that must not share)")
     args = parser.parse_args(argv)
-    from distlock.constants import PURGE_BATCH
+    from distlock.constants import PURGE_BATCH, PURGE_REST
 
     try:
         args.purge_batch = [int(b) for b in (args.purge_batch or str(PURGE_BATCH)).split(",")]
+        args.purge_rest = [float(r) for r in (args.purge_rest or str(PURGE_REST)).split(",")]
     except ValueError:
-        parser.error("--purge-batch: whole numbers, e.g. 250,1000")
+        parser.error("--purge-batch / --purge-rest: numbers, e.g. 250,1000 / 0,1")
     if args.quick:
         args.rounds, args.firsts, args.cycles, args.big = 1, 30, 50, 20_000
         args.admin_repeat, args.purge_rounds = 1, 1
@@ -387,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if not backends or set(backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {', '.join(BACKENDS)}")
     if (args.rounds < 1 or args.firsts < 1 or args.cycles < 1 or args.big < 2000
-            or args.purge_rounds < 1 or min(args.purge_batch) < 1):
+            or args.purge_rounds < 1 or min(args.purge_batch) < 1
+            or min(args.purge_rest) < 0):
         parser.error("need --rounds, --firsts, --cycles, --purge-rounds, --purge-batch ≥ 1 "
                      "and --big ≥ 2000")
     sizes = (1000, args.big)

@@ -51,23 +51,20 @@ def _server_pid(db_alias: str) -> int | None:
         return int(cursor.fetchone()[0])
 
 
-def _purge_child(db_alias: str, batch: int, queue: Any) -> None:
-    """purge_locks, batch by batch as it runs them, timing each batch's transaction."""
+def _purge_child(db_alias: str, batch: int, rest: float, queue: Any) -> None:
+    """purge_locks' batches (distlock.locks.purge_batches), each one's transaction timed."""
     from django.db import connections
 
-    from distlock import db
+    from distlock.locks import purge_batches
 
     server = _server_pid(db_alias)
     server_before = _process_cpu(server) if server else None
     own_before = sum(os.times()[:2])
     batches: list[float] = []
     deleted = 0
-    after: str | None = ""
     started = time.perf_counter()
-    while after is not None:
-        began = time.perf_counter_ns()
-        count, after = db.run(db_alias, "purge_batch", 3600 * 10**6, after, batch)
-        batches.append((time.perf_counter_ns() - began) / 1e6)
+    for count, took in purge_batches(db_alias, 3600 * 10**6, batch, rest):
+        batches.append(took * 1000)
         deleted += count
     seconds = time.perf_counter() - started
     cpu = sum(os.times()[:2]) - own_before
@@ -94,21 +91,29 @@ def _burn_child(seconds: float, share: float, queue: Any) -> None:
     queue.put({"seconds": seconds})
 
 
-# Re-acquire latencies in µs of ``n`` cycles (rows.py's measure).
-Cycles = Callable[[int], list[float]]
+# rows.py's measure(): latencies in µs by operation, of ``n`` cycles (re-acquires of
+# existing names) and ``n // 10`` first uses of new names (which read the token floor a
+# purge batch holds locked until it commits).
+Cycles = Callable[[int], dict[str, list[float]]]
+OPS = ("re-acquire", "first use")
 
 
-def _beside(cycles: Cycles, child: Any, queue: Any) -> tuple[list[float], dict[str, Any]]:
-    """Re-acquire latencies (µs) while ``child`` runs, and the child's report."""
-    got: list[float] = []
+def _beside(cycles: Cycles, child: Any, queue: Any) -> tuple[dict[str, list[float]],
+                                                               dict[str, Any]]:
+    """Latencies (µs) by operation while ``child`` runs, and the child's report."""
+    got: dict[str, list[float]] = {op: [] for op in OPS}
     while child.is_alive() and queue.empty():
-        got += cycles(100)
+        for op, took in cycles(100).items():
+            if op in got:
+                got[op] += took
     report = queue.get(timeout=900)
     child.join(timeout=60)
     return got, report
 
 
-def one_round(db_alias: str, cycles: Cycles, idle_cycles: int, batch: int) -> dict[str, Any]:
+def one_round(
+    db_alias: str, cycles: Cycles, idle_cycles: int, batch: int, rest: float
+) -> dict[str, Any]:
     """Idle, beside a purge, beside a CPU burner of the purge's CPU share (module doc)."""
     from django.db import connections
 
@@ -117,7 +122,7 @@ def one_round(db_alias: str, cycles: Cycles, idle_cycles: int, batch: int) -> di
     connections.close_all()
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    child = context.Process(target=_purge_child, args=(db_alias, batch, queue))
+    child = context.Process(target=_purge_child, args=(db_alias, batch, rest, queue))
     child.start()
     purge, report = _beside(cycles, child, queue)
     share = min(1.0, report["cpu_share"])
@@ -125,29 +130,40 @@ def one_round(db_alias: str, cycles: Cycles, idle_cycles: int, batch: int) -> di
                             args=(min(report["seconds"], 30.0), share, queue))
     child.start()
     burn, _ = _beside(cycles, child, queue)
-    idle_p99 = percentile(idle, 0.99)
-    return {**report, "load": load, "idle_p50": percentile(idle, 0.5), "idle_p99": idle_p99,
-            "purge_p99": percentile(purge, 0.99), "burn_p99": percentile(burn, 0.99),
-            "purge_ratio": percentile(purge, 0.99) / idle_p99,
-            "burn_ratio": percentile(burn, 0.99) / idle_p99, "acquires": len(purge)}
+    got = {**report, "load": load}
+    for op, key in zip(OPS, ("", "first_"), strict=True):
+        idle_p99 = percentile(idle[op], 0.99)
+        got.update({
+            f"{key}idle_p50": percentile(idle[op], 0.5), f"{key}idle_p99": idle_p99,
+            f"{key}purge_p99": percentile(purge[op], 0.99),
+            f"{key}burn_p99": percentile(burn[op], 0.99),
+            f"{key}purge_ratio": percentile(purge[op], 0.99) / idle_p99,
+            f"{key}burn_ratio": percentile(burn[op], 0.99) / idle_p99,
+        })
+    return got
 
 
 COLUMNS = (("idle p50 µs", "idle_p50", "{:,.0f}"), ("idle p99 µs", "idle_p99", "{:,.0f}"),
            ("beside purge p99 µs", "purge_p99", "{:,.0f}"), ("ratio", "purge_ratio", "{:.2f}"),
            ("beside CPU burner p99 µs", "burn_p99", "{:,.0f}"),
-           ("burner ratio", "burn_ratio", "{:.2f}"), ("purge CPU share", "cpu_share", "{:.2f}"),
+           ("burner ratio", "burn_ratio", "{:.2f}"),
+           ("first use: idle p99 µs", "first_idle_p99", "{:,.0f}"),
+           ("beside purge p99 µs", "first_purge_p99", "{:,.0f}"),
+           ("ratio", "first_purge_ratio", "{:.2f}"),
+           ("beside burner p99 µs", "first_burn_p99", "{:,.0f}"),
+           ("purge CPU share", "cpu_share", "{:.2f}"),
            ("batch p50 ms", "batch_p50_ms", "{:.1f}"), ("batch max ms", "batch_max_ms",
                                                          "{:.1f}"),
            ("purge s", "seconds", "{:.1f}"), ("load avg", "load", "{:.2f}"))
 
 
-def table_row(backend: str, batch: int, rounds: list[dict[str, Any]]) -> str:
+def table_row(backend: str, batch: int, rest: float, rounds: list[dict[str, Any]]) -> str:
     """One Markdown row: the median over ``rounds`` of each column."""
     cells = [fmt.format(statistics.median(r[key] for r in rounds)) for _, key, fmt in COLUMNS]
-    return f"| {backend} | {batch:,} | {len(rounds)} | {' | '.join(cells)} |"
+    return f"| {backend} | {batch:,} | {rest:g} | {len(rounds)} | {' | '.join(cells)} |"
 
 
 def table_head() -> str:
     names = " | ".join(name for name, _, _ in COLUMNS)
-    return (f"| backend | batch | rounds | {names} |\n"
-            f"|---|---:|---:|{'---:|' * len(COLUMNS)}")
+    return (f"| backend | batch | rest | rounds | {names} |\n"
+            f"|---|---:|---:|---:|{'---:|' * len(COLUMNS)}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error
 from django.db import DatabaseError, transaction
+from django.db.models.expressions import Combinable
 from django.dispatch import Signal
 
 from distlock import signals
@@ -183,8 +184,6 @@ def purge_events(
     holds a transaction open around it).
     Raises TypeError/ValueError for a bad age (nothing is deleted).
     """
-    from distlock.models import LockEvent
-
     if older_than is None:
         seconds = retention()
         if seconds is None:
@@ -195,21 +194,29 @@ def purge_events(
             raise ValueError(f"older_than must not be negative, not {seconds}")
     alias = check_using(using)
     cutoff = database_now(alias) - round(seconds * 1e6)
-    events = LockEvent.objects.using(alias)
-    # In batches of PURGE_BATCH, oldest first through the at_us index, each DELETE its
-    # own transaction (in autocommit): years of history never sit under one statement's
-    # locks, and the recording of new events goes on beside it.
     deleted = 0
-    while True:
-        ids = list(
-            events.filter(at_us__lt=cutoff).order_by("at_us").values_list("id", flat=True)[
-                :PURGE_BATCH
-            ]
-        )
-        if not ids:
-            return deleted
-        count, _ = events.filter(id__in=ids).delete()
+    while count := purge_event_batch(alias, cutoff, PURGE_BATCH):
         deleted += count
+    return deleted
+
+
+def purge_event_batch(alias: str, cutoff: int | Combinable, size: int) -> int:
+    """Delete up to ``size`` of the oldest events before ``cutoff`` (epoch µs, or an
+    expression of the database clock); return how many. One batch of purge_events: the
+    ids oldest first through the ``at_us`` index, then one DELETE by id, its own
+    transaction in autocommit, so years of history never sit under one statement's
+    locks and the recording of new events goes on beside it.
+    A function of its own so that benchmarks/rows_purge.py can time each batch."""
+    from distlock.models import LockEvent
+
+    events = LockEvent.objects.using(alias)
+    ids = list(
+        events.filter(at_us__lt=cutoff).order_by("at_us").values_list("id", flat=True)[:size]
+    )
+    if not ids:
+        return 0
+    count, _ = events.filter(id__in=ids).delete()
+    return count
 
 
 def check_audit_settings(

@@ -6,7 +6,7 @@ import contextvars
 import functools
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator
 from datetime import timedelta
 from types import TracebackType
@@ -16,7 +16,7 @@ from asgiref.sync import iscoroutinefunction
 
 from distlock import db, grants, signals, uncommitted
 from distlock.backends.base import Busy, Grant
-from distlock.constants import PURGE_BATCH
+from distlock.constants import PURGE_BATCH, PURGE_REST
 from distlock.exceptions import LockTimeout
 from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
 from distlock.leases import Lease, LostCallback
@@ -336,17 +336,35 @@ def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) 
     comes back gets a higher token than it ever had. Rows are deleted in batches of
     ``PURGE_BATCH`` names, one short transaction each, so a purge of a large table never
     holds row locks for long; rows that become idle while it runs may be left for the
-    next purge.
+    next purge. See :func:`purge_batches` for the rest between batches.
     """
     seconds = check_seconds(idle, "idle")
     if seconds < 0:
         raise ValueError(f"idle must not be negative, not {seconds}")
     alias = check_using(using)
     uncommitted.refuse_if_holding(None, alias, "purging locks")
-    idle_us = round(seconds * 1e6)
-    purged = 0
+    return sum(deleted for deleted, _ in purge_batches(alias, round(seconds * 1e6)))
+
+
+def purge_batches(
+    alias: str, idle_us: int, size: int | None = None, rest: float | None = None
+) -> Iterator[tuple[int, float]]:
+    """purge_locks' batches, one transaction each: yields (rows deleted, seconds the
+    batch's transaction took) after each, for benchmarks/rows_purge.py to time them.
+
+    After a batch that deleted rows it rests ``rest`` times as long as the batch took
+    before the next: a batch holds the token floor locked (first uses of new names wait
+    for it) and, on SQLite, the database's one write lock, whose waiters poll with
+    growing sleeps and would find it taken again at once (docs/performance.md, "Scale
+    with the data"). ``size`` and ``rest`` default to PURGE_BATCH and PURGE_REST.
+    """
+    size = PURGE_BATCH if size is None else size
+    rest = PURGE_REST if rest is None else rest
     after: str | None = ""
     while after is not None:
-        deleted, after = db.run(alias, "purge_batch", idle_us, after, PURGE_BATCH)
-        purged += deleted
-    return purged
+        started = time.monotonic()
+        deleted, after = db.run(alias, "purge_batch", idle_us, after, size)
+        took = time.monotonic() - started
+        yield deleted, took
+        if deleted and rest > 0 and after is not None:
+            time.sleep(took * rest)
