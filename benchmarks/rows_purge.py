@@ -127,7 +127,7 @@ def one_round(
     purge, report = _beside(cycles, child, queue)
     share = min(1.0, report["cpu_share"])
     child = context.Process(target=_burn_child,
-                            args=(min(report["seconds"], 30.0), share, queue))
+                            args=(min(report["seconds"], 15.0), share, queue))
     child.start()
     burn, _ = _beside(cycles, child, queue)
     got = {**report, "load": load}

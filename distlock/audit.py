@@ -12,7 +12,7 @@ the caller an exception for a lock it actually holds. A failed insert is logged 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from django.db.models.expressions import Combinable
 from django.dispatch import Signal
 
 from distlock import signals
+from distlock.batches import in_batches
 from distlock.conf import conf
 from distlock.constants import PURGE_BATCH
 from distlock.status import database_now
@@ -194,10 +195,22 @@ def purge_events(
             raise ValueError(f"older_than must not be negative, not {seconds}")
     alias = check_using(using)
     cutoff = database_now(alias) - round(seconds * 1e6)
-    deleted = 0
-    while count := purge_event_batch(alias, cutoff, PURGE_BATCH):
-        deleted += count
-    return deleted
+    return sum(deleted for deleted, _ in event_batches(alias, cutoff))
+
+
+def event_batches(
+    alias: str, cutoff: int | Combinable, size: int | None = None, rest: float | None = None
+) -> Iterator[tuple[int, float]]:
+    """purge_events' batches of ``size`` events (default PURGE_BATCH), with a rest after
+    each that deleted rows (distlock/batches.py): yields (rows deleted, seconds the batch
+    took), for benchmarks/rows_purge.py to time them."""
+    size = PURGE_BATCH if size is None else size
+
+    def batch() -> tuple[int, bool]:
+        deleted = purge_event_batch(alias, cutoff, size)
+        return deleted, deleted == size
+
+    return in_batches(batch, rest)
 
 
 def purge_event_batch(alias: str, cutoff: int | Combinable, size: int) -> int:

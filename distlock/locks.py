@@ -16,7 +16,8 @@ from asgiref.sync import iscoroutinefunction
 
 from distlock import db, grants, signals, uncommitted
 from distlock.backends.base import Busy, Grant
-from distlock.constants import PURGE_BATCH, PURGE_REST
+from distlock.batches import in_batches
+from distlock.constants import PURGE_BATCH
 from distlock.exceptions import LockTimeout
 from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
 from distlock.leases import Lease, LostCallback
@@ -349,22 +350,15 @@ def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) 
 def purge_batches(
     alias: str, idle_us: int, size: int | None = None, rest: float | None = None
 ) -> Iterator[tuple[int, float]]:
-    """purge_locks' batches, one transaction each: yields (rows deleted, seconds the
-    batch's transaction took) after each, for benchmarks/rows_purge.py to time them.
-
-    After a batch that deleted rows it rests ``rest`` times as long as the batch took
-    before the next: a batch holds the token floor locked (first uses of new names wait
-    for it) and, on SQLite, the database's one write lock, whose waiters poll with
-    growing sleeps and would find it taken again at once (docs/performance.md, "Scale
-    with the data"). ``size`` and ``rest`` default to PURGE_BATCH and PURGE_REST.
-    """
+    """purge_locks' batches of ``size`` names (default PURGE_BATCH), one transaction each,
+    with a rest after each that deleted rows (distlock/batches.py): yields (rows deleted,
+    seconds the batch took), for benchmarks/rows_purge.py to time them."""
     size = PURGE_BATCH if size is None else size
-    rest = PURGE_REST if rest is None else rest
     after: str | None = ""
-    while after is not None:
-        started = time.monotonic()
+
+    def batch() -> tuple[int, bool]:
+        nonlocal after
         deleted, after = db.run(alias, "purge_batch", idle_us, after, size)
-        took = time.monotonic() - started
-        yield deleted, took
-        if deleted and rest > 0 and after is not None:
-            time.sleep(took * rest)
+        return deleted, after is not None
+
+    return in_batches(batch, rest)
