@@ -312,6 +312,29 @@ def purge_rounds(backend: str, size: int, args: argparse.Namespace) -> None:
                 _progress(f"{backend} purge round {round_no + 1}: "
                           f"{rows_purge.table_row(backend, batch, rest, rounds[-1:])}")
             print(rows_purge.table_row(backend, batch, rest, rounds), flush=True)
+    if args.purge_events:
+        events_beside(backend, size, args)  # after the lock purge: its table is full again
+
+
+def events_beside(backend: str, size: int, args: argparse.Namespace) -> None:
+    """Audit retention beside acquire: --purge-events events over 30 days; round r deletes
+    the events older than 30 - r days (one day's worth, as a daily retention run does),
+    so the history is filled once."""
+    db_alias = alias(backend, size)
+    fill(db_alias, size)
+    rows_admin.fill_events(db_alias, args.purge_events, size)
+    print(f"\naudit retention beside acquire ({args.purge_events:,} events over 30 days, "
+          "each round deletes the oldest day's)\n")
+    print(rows_purge.table_head())
+    days = 30
+    for rest in args.purge_rest:
+        rounds = []
+        for _ in range(args.purge_rounds):
+            days -= 1  # every round its own day, oldest first
+            rounds.append(rows_purge.one_round(
+                db_alias, lambda n: measure(db_alias, n // 10, n), args.cycles,
+                args.purge_batch[0], rest, events_days=days))
+        print(rows_purge.table_row(backend, args.purge_batch[0], rest, rounds), flush=True)
 
 
 def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
@@ -374,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--purge-rest", default=None,
                         help="rests between batches to compare, as multiples of the batch's "
                              "time, e.g. 0,1 (default PURGE_REST)")
+    parser.add_argument("--purge-events", type=int, default=0,
+                        help="audit events for audit retention beside acquire (0: skip)")
     parser.add_argument("--db-suffix", default="",
                         help="appended to the databases' names (runs that must not share)")
     args = parser.parse_args(argv)

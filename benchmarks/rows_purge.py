@@ -51,19 +51,29 @@ def _server_pid(db_alias: str) -> int | None:
         return int(cursor.fetchone()[0])
 
 
-def _purge_child(db_alias: str, batch: int, rest: float, queue: Any) -> None:
-    """purge_locks' batches (distlock.locks.purge_batches), each one's transaction timed."""
+def _purge_child(db_alias: str, batch: int, rest: float, events_days: int | None,
+                 queue: Any) -> None:
+    """purge_locks' batches (distlock.locks.purge_batches), or with ``events_days`` audit
+    retention's of events older than that many days (distlock.audit.event_batches), each
+    batch's transaction timed."""
     from django.db import connections
 
+    from distlock.audit import event_batches
+    from distlock.db import db_now_us
     from distlock.locks import purge_batches
 
+    if events_days is None:
+        batches_run = purge_batches(db_alias, 3600 * 10**6, batch, rest)
+    else:
+        cutoff = db_now_us(db_alias) - events_days * 86400 * 10**6
+        batches_run = event_batches(db_alias, cutoff, batch, rest)
     server = _server_pid(db_alias)
     server_before = _process_cpu(server) if server else None
     own_before = sum(os.times()[:2])
     batches: list[float] = []
     deleted = 0
     started = time.perf_counter()
-    for count, took in purge_batches(db_alias, 3600 * 10**6, batch, rest):
+    for count, took in batches_run:
         batches.append(took * 1000)
         deleted += count
     seconds = time.perf_counter() - started
@@ -112,7 +122,8 @@ def _beside(cycles: Cycles, child: Any, queue: Any) -> tuple[dict[str, list[floa
 
 
 def one_round(
-    db_alias: str, cycles: Cycles, idle_cycles: int, batch: int, rest: float
+    db_alias: str, cycles: Cycles, idle_cycles: int, batch: int, rest: float,
+    events_days: int | None = None,
 ) -> dict[str, Any]:
     """Idle, beside a purge, beside a CPU burner of the purge's CPU share (module doc)."""
     from django.db import connections
@@ -122,7 +133,7 @@ def one_round(
     connections.close_all()
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    child = context.Process(target=_purge_child, args=(db_alias, batch, rest, queue))
+    child = context.Process(target=_purge_child, args=(db_alias, batch, rest, events_days, queue))
     child.start()
     purge, report = _beside(cycles, child, queue)
     share = min(1.0, report["cpu_share"])
