@@ -22,8 +22,8 @@ from distlock import (
     purge_locks,
 )
 from distlock.backends import backend_for
-from distlock.db import db_now_us
 from distlock.constants import PURGE_REST_MAX
+from distlock.db import db_now_us
 from distlock.locks import purge_batches
 from distlock.models import Lock, TokenFloor
 
