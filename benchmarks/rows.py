@@ -396,17 +396,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch sizes to compare, e.g. 250,1000 (default PURGE_BATCH)")
     parser.add_argument("--purge-rest", default=None,
                         help="rests between batches to compare, as multiples of the batch's "
-                             "time, e.g. 0,1 (default PURGE_REST)")
+                             "time, e.g. 0,1 (default: the backend's own)")
     parser.add_argument("--purge-events", type=int, default=0,
                         help="audit events for audit retention beside acquire (0: skip)")
     parser.add_argument("--db-suffix", default="",
                         help="appended to the databases' names (runs that must not share)")
     args = parser.parse_args(argv)
-    from distlock.constants import PURGE_BATCH, PURGE_REST
+    from distlock.constants import PURGE_BATCH
 
     try:
         args.purge_batch = [int(b) for b in (args.purge_batch or str(PURGE_BATCH)).split(",")]
-        args.purge_rest = [float(r) for r in (args.purge_rest or str(PURGE_REST)).split(",")]
+        # None: each backend's own (distlock/batches.py: SQLite 0, else PURGE_REST).
+        args.purge_rest = ([None] if args.purge_rest is None
+                           else [float(r) for r in args.purge_rest.split(",")])
     except ValueError:
         parser.error("--purge-batch / --purge-rest: numbers, e.g. 250,1000 / 0,1")
     if args.quick:
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--backends: choose from {', '.join(BACKENDS)}")
     if (args.rounds < 1 or args.firsts < 1 or args.cycles < 1 or args.big < 2000
             or args.purge_rounds < 1 or min(args.purge_batch) < 1
-            or min(args.purge_rest) < 0):
+            or min(r or 0 for r in args.purge_rest) < 0):
         parser.error("need --rounds, --firsts, --cycles, --purge-rounds, --purge-batch ≥ 1 "
                      "and --big ≥ 2000")
     sizes = (1000, args.big)

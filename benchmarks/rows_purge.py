@@ -51,7 +51,7 @@ def _server_pid(db_alias: str) -> int | None:
         return int(cursor.fetchone()[0])
 
 
-def _purge_child(db_alias: str, batch: int, rest: float, events_days: int | None,
+def _purge_child(db_alias: str, batch: int, rest: float | None, events_days: int | None,
                  queue: Any) -> None:
     """purge_locks' batches (distlock.locks.purge_batches), or with ``events_days`` audit
     retention's of events older than that many days (distlock.audit.event_batches), each
@@ -122,7 +122,7 @@ def _beside(cycles: Cycles, child: Any, queue: Any) -> tuple[dict[str, list[floa
 
 
 def one_round(
-    db_alias: str, cycles: Cycles, idle_cycles: int, batch: int, rest: float,
+    db_alias: str, cycles: Cycles, idle_cycles: int, batch: int, rest: float | None,
     events_days: int | None = None,
 ) -> dict[str, Any]:
     """Idle, beside a purge, beside a CPU burner of the purge's CPU share (module doc)."""
@@ -168,10 +168,13 @@ COLUMNS = (("idle p50 µs", "idle_p50", "{:,.0f}"), ("idle p99 µs", "idle_p99",
            ("purge s", "seconds", "{:.1f}"), ("load avg", "load", "{:.2f}"))
 
 
-def table_row(backend: str, batch: int, rest: float, rounds: list[dict[str, Any]]) -> str:
+def table_row(
+    backend: str, batch: int, rest: float | None, rounds: list[dict[str, Any]]
+) -> str:
     """One Markdown row: the median over ``rounds`` of each column."""
     cells = [fmt.format(statistics.median(r[key] for r in rounds)) for _, key, fmt in COLUMNS]
-    return f"| {backend} | {batch:,} | {rest:g} | {len(rounds)} | {' | '.join(cells)} |"
+    shown = "backend's" if rest is None else f"{rest:g}"
+    return f"| {backend} | {batch:,} | {shown} | {len(rounds)} | {' | '.join(cells)} |"
 
 
 def table_head() -> str:
