@@ -15,14 +15,16 @@ round's p50 (or p99); "big / small" is the median of the per-round ratios of p50
 
 On PostgreSQL it also reports the share of the lock table's updates during the run that
 were heap-only (HOT): ``n_tup_hot_upd / n_tup_upd`` of ``pg_stat_user_tables``, counted
-before and after. Last, "purge beside acquire": a child process purges the large table's
-idle rows (``purge_locks``, batch by batch, each batch timed) while this process keeps
-cycling; its acquire p50/p99 are compared with the same cycles just before. That empties
-the large table, which the next run fills again.
+before and after. Then the Locks list's search box with terms of each kind. Last,
+"purge beside acquire" (benchmarks/rows_purge.py: idle, beside a purge, beside a process
+that only burns the purge's CPU; ``--purge-batch`` / ``--purge-rest`` compare settings,
+``--purge-events N`` adds audit retention over N events, ``--only-purge`` runs nothing
+else). A purge empties the large table, which is filled again before each round.
 
 Its own databases, never the test ones: PostgreSQL and MariaDB ``distlock_bench_rw_<size>``
-on the servers of DISTLOCK_BENCH_POSTGRES / DISTLOCK_BENCH_MARIADB, SQLite files in a
-temporary folder.
+on the servers of DISTLOCK_BENCH_POSTGRES / DISTLOCK_BENCH_MARIADB (``--db-suffix``
+appended), SQLite files in a temporary folder; Django's own tables (the admin's user) in
+a SQLite file of their own, so any subset of ``--backends`` runs.
 """
 
 from __future__ import annotations
