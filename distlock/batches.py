@@ -7,8 +7,7 @@ and on SQLite every writer waits for the database's one write lock, polling with
 sleeps, so without the rest it finds the lock taken again by the next batch
 (docs/performance.md, "Scale with the data"). The rest is capped (PURGE_REST_MAX): a
 batch's time includes its own wait for the lock, and on SQLite, under a stream of writes,
-a rest as long as that wait made the purge sixty times slower; SQLite rests not at all
-(its backend's ``purge_rest``).
+a rest as long as that wait made the purge sixty times slower.
 """
 
 from __future__ import annotations
@@ -16,22 +15,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from django.db import connections
-
-from distlock.backends import backend_for
 from distlock.constants import PURGE_REST, PURGE_REST_MAX
 
 
 def in_batches(
-    batch: Callable[[], tuple[int, bool]], alias: str, rest: float | None = None
+    batch: Callable[[], tuple[int, bool]], rest: float | None = None
 ) -> Iterator[tuple[int, float]]:
     """Run ``batch`` (which returns rows deleted, whether there may be more) until it says
     there is no more; yield (rows deleted, seconds the batch took) after each, resting
-    ``rest`` times the batch's time, at most PURGE_REST_MAX seconds, after one that
-    deleted rows. ``rest`` defaults to the backend's ``purge_rest`` (SQLite: 0), else
-    PURGE_REST."""
-    if rest is None:
-        rest = backend_for(connections[alias]).purge_rest
+    ``rest`` (default PURGE_REST) times the batch's time, at most PURGE_REST_MAX seconds,
+    after one that deleted rows."""
     rest = PURGE_REST if rest is None else rest
     more = True
     while more:

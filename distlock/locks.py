@@ -361,4 +361,4 @@ def purge_batches(
         deleted, after = db.run(alias, "purge_batch", idle_us, after, size)
         return deleted, after is not None
 
-    return in_batches(batch, alias, rest)
+    return in_batches(batch, rest)

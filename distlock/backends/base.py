@@ -94,8 +94,6 @@ class Backend(TokenFloorSQL):
     one_statement: ClassVar[frozenset[str]] = frozenset({"holds"})
     #: The database has one writer at a time (per file), whatever the connection.
     single_writer: ClassVar[bool] = False
-    #: Purges rest between batches (distlock/batches.py; None: PURGE_REST).
-    purge_rest: ClassVar[float | None] = None
     #: The ownership check as a condition a fenced UPDATE can carry in its own WHERE
     #: (params: name, owner, token), where the database can lock the lock row there.
     folded_owner_check_sql: ClassVar[str | None] = None

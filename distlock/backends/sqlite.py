@@ -20,11 +20,6 @@ class SQLite(Backend):
     # write's transaction holds the whole file).
     for_update = ""
     single_writer = True
-    # No rest between purge batches: the waiting writers' busy handler polls with growing
-    # sleeps, and a stream of them took the write lock during every rest, so the next
-    # batch waited seconds; a million-row purge took 139 s instead of 6, and acquires
-    # beside it gained nothing measurable (docs/performance.md, "Scale with the data").
-    purge_rest = 0.0
 
     def now_sql(self) -> str:
         # julianday('now') has millisecond precision; rounding back to whole milliseconds
