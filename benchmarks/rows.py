@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch sizes to compare, e.g. 250,1000 (default PURGE_BATCH)")
     parser.add_argument("--purge-rest", default=None,
                         help="rests between batches to compare, as multiples of the batch's "
-                             "time, e.g. 0,1 (default: the backend's own)")
+                             "time, e.g. 0,1 (default: PURGE_REST)")
     parser.add_argument("--purge-events", type=int, default=0,
                         help="audit events for audit retention beside acquire (0: skip)")
     parser.add_argument("--db-suffix", default="",
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args.purge_batch = [int(b) for b in (args.purge_batch or str(PURGE_BATCH)).split(",")]
-        # None: each backend's own (distlock/batches.py: SQLite 0, else PURGE_REST).
+        # None: distlock's own (PURGE_REST, distlock/batches.py).
         args.purge_rest = ([None] if args.purge_rest is None
                            else [float(r) for r in args.purge_rest.split(",")])
     except ValueError:

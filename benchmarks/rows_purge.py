@@ -173,7 +173,7 @@ def table_row(
 ) -> str:
     """One Markdown row: the median over ``rounds`` of each column."""
     cells = [fmt.format(statistics.median(r[key] for r in rounds)) for _, key, fmt in COLUMNS]
-    shown = "backend's" if rest is None else f"{rest:g}"
+    shown = "default" if rest is None else f"{rest:g}"
     return f"| {backend} | {batch:,} | {shown} | {len(rounds)} | {' | '.join(cells)} |"
 
 

@@ -19,7 +19,7 @@ FLOOR_ID = 1
 PURGE_BATCH = 1000
 # After each batch of purge_locks() or audit retention that deleted rows, a rest this many
 # times as long as the batch took, at most PURGE_REST_MAX seconds, so waiting writers get
-# in between batches (distlock/batches.py). SQLite's backend does not rest (purge_rest).
+# in between batches (distlock/batches.py).
 PURGE_REST = 1.0
 PURGE_REST_MAX = 0.05
 
