@@ -15,20 +15,21 @@ round's p50 (or p99); "big / small" is the median of the per-round ratios of p50
 
 On PostgreSQL it also reports the share of the lock table's updates during the run that
 were heap-only (HOT): ``n_tup_hot_upd / n_tup_upd`` of ``pg_stat_user_tables``, counted
-before and after. Last, "purge beside acquire": a child process purges the large table's
-idle rows (``purge_locks``, batch by batch, each batch timed) while this process keeps
-cycling; its acquire p50/p99 are compared with the same cycles just before. That empties
-the large table, which the next run fills again.
+before and after. Then the Locks list's search box with terms of each kind. Last,
+"purge beside acquire" (benchmarks/rows_purge.py: idle, beside a purge, beside a process
+that only burns the purge's CPU; ``--purge-batch`` / ``--purge-rest`` compare settings,
+``--purge-events N`` adds audit retention over N events, ``--only-purge`` runs nothing
+else). A purge empties the large table, which is filled again before each round.
 
 Its own databases, never the test ones: PostgreSQL and MariaDB ``distlock_bench_rw_<size>``
-on the servers of DISTLOCK_BENCH_POSTGRES / DISTLOCK_BENCH_MARIADB, SQLite files in a
-temporary folder.
+on the servers of DISTLOCK_BENCH_POSTGRES / DISTLOCK_BENCH_MARIADB (``--db-suffix``
+appended), SQLite files in a temporary folder; Django's own tables (the admin's user) in
+a SQLite file of their own, so any subset of ``--backends`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import statistics
 import sys
@@ -41,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import databases as dbs  # noqa: E402
-from benchmarks import rows_admin  # noqa: E402
+from benchmarks import rows_admin, rows_purge  # noqa: E402
 from benchmarks.harness import percentile  # noqa: E402
 
 BACKENDS = ("postgresql", "mariadb", "sqlite")
@@ -58,13 +59,14 @@ def alias(backend: str, size: int) -> str:
     return f"{backend}_{label(size)}"
 
 
-def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
+def configure(backends: list[str], sizes: tuple[int, int], folder: str,
+              suffix: str = "") -> None:
     import django
     from django.conf import settings
 
     databases: dict[str, Any] = {}
     for size in sizes:
-        name = f"distlock_bench_rw_{label(size).lower()}"
+        name = f"distlock_bench_rw_{label(size).lower()}{suffix}"
         if "postgresql" in backends:
             pg = dbs.pg_settings()
             databases[alias("postgresql", size)] = {**pg, "NAME": name}
@@ -72,7 +74,9 @@ def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
             databases[alias("mariadb", size)] = {**dbs.maria_settings(), "NAME": name}
         if "sqlite" in backends:
             databases[alias("sqlite", size)] = dbs.sqlite_settings(f"{folder}/{name}.sqlite3")
-    databases["default"] = next(iter(databases.values()))
+    # Django's own tables (the admin's user and session) in a file of their own: a
+    # benchmark database is created by fill(), after Django has set up.
+    databases["default"] = dbs.sqlite_settings(f"{folder}/default.sqlite3")
     settings.configure(
         DATABASES=databases,
         INSTALLED_APPS=["django.contrib.contenttypes", *rows_admin.APPS, "distlock"],
@@ -80,6 +84,9 @@ def configure(backends: list[str], sizes: tuple[int, int], folder: str) -> None:
         DEBUG=False, **rows_admin.SETTINGS,
     )
     django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", database="default", verbosity=0, interactive=False)
 
 
 def create_database(db_alias: str) -> None:
@@ -202,47 +209,6 @@ def hot_counts(db_alias: str) -> tuple[int, int] | None:
     return int(upd), int(hot)
 
 
-def _purge_child(db_alias: str, queue: Any) -> None:
-    """purge_locks, batch by batch as it runs them, timing each batch's transaction."""
-    from distlock import db
-    from distlock.constants import PURGE_BATCH
-
-    batches: list[float] = []
-    deleted = 0
-    after: str | None = ""
-    started = time.perf_counter()
-    while after is not None:
-        (count, after), took = timed(
-            lambda after=after: db.run(db_alias, "purge_batch", 3600 * 10**6, after,
-                                       PURGE_BATCH))
-        deleted += count
-        batches.append(took)
-    queue.put({"deleted": deleted, "seconds": time.perf_counter() - started,
-               "batch_p50_ms": percentile(batches, 0.5) / 1000,
-               "batch_max_ms": max(batches) / 1000, "batches": len(batches)})
-
-
-def purge_beside(db_alias: str, cycles: int) -> dict[str, Any]:
-    """Acquire p50/p99 of cycles on an idle table, then beside a purge of it."""
-    from django.db import connections
-
-    idle = measure(db_alias, 0, cycles)["re-acquire"]
-    connections.close_all()
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_purge_child, args=(db_alias, queue))
-    child.start()
-    beside: list[float] = []
-    while child.is_alive() and queue.empty():
-        beside += measure(db_alias, 0, HOT_NAMES)["re-acquire"]
-    report = queue.get(timeout=600)
-    child.join(timeout=60)
-    return {**report, "cycles_beside": len(beside),
-            "idle_p50": percentile(idle, 0.5), "idle_p99": percentile(idle, 0.99),
-            "beside_p50": percentile(beside, 0.5) if beside else None,
-            "beside_p99": percentile(beside, 0.99) if beside else None}
-
-
 def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
     """The admin pages on both tables, as configured, and on the large one also with
     Django's defaults (a second count of the whole table under a filter or search, and
@@ -269,6 +235,42 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
           "|---|---:|---:|---:|")
     for page in small:
         print(f"| {page} | {small[page]:,.1f} | {big[page]:,.1f} | {defaults[page]:,.1f} |")
+    small, big = (search_times(alias(backend, size), args.admin_repeat) for size in sizes)
+    print(f"\n| Locks search ({backend}, median ms) | {s} | {b} |\n|---|---:|---:|")
+    for what, term in SEARCHES.items():
+        print(f"| {what} (`{term}`) | {small[what]:,.1f} | {big[what]:,.1f} |")
+
+
+# The Locks list's search box (distlock/admin_search.py) with terms of each kind: a
+# prefix of 1 name, of about 1% of the large table, of all of it, one exact name, none.
+SEARCHES = {"prefix, 1 name": "hot:042", "prefix, 1% of rows": "fill:00",
+            "prefix, every fill row": "fill:", "exact (=name)": "=hot:042",
+            "prefix, no name": "zzz"}
+
+
+def search_times(db_alias: str, repeat: int) -> dict[str, float]:
+    """Median server milliseconds of the Locks list searched for each of SEARCHES."""
+    from django.contrib.auth.models import User
+    from django.test import Client, override_settings
+    from django.urls import reverse
+
+    user = User.objects.filter(username="bench").first() or User.objects.create_superuser(
+        "bench", "bench@example.com", "bench")
+    client = Client()
+    client.force_login(user)
+    url = reverse("admin:distlock_lock_changelist")
+    got = {}
+    with override_settings(DISTLOCK_DATABASE=db_alias):
+        for what, term in SEARCHES.items():
+            times = []
+            for i in range(repeat + 2):  # two warm-ups
+                started = time.perf_counter()
+                response = client.get(url, {"q": term})
+                assert response.status_code == 200, (term, response.status_code)
+                if i >= 2:
+                    times.append((time.perf_counter() - started) * 1000)
+            got[what] = statistics.median(times)
+    return got
 
 
 def _progress(text: str) -> None:
@@ -295,12 +297,58 @@ def report(backend: str, sizes: tuple[int, int],
     return lines
 
 
+def purge_rounds(backend: str, size: int, args: argparse.Namespace) -> None:
+    """Purge beside acquire (benchmarks/rows_purge.py), --purge-rounds rounds for each
+    --purge-batch size, the large table filled again before each."""
+    db_alias = alias(backend, size)
+    print(f"\npurge beside acquire ({label(size)} idle rows; medians of rounds)\n")
+    print(rows_purge.table_head())
+    for batch in args.purge_batch:
+        for rest in args.purge_rest:
+            rounds = []
+            for round_no in range(args.purge_rounds):
+                fill(db_alias, size)
+                rounds.append(rows_purge.one_round(
+                    db_alias, lambda n: measure(db_alias, n // 10, n), args.cycles, batch,
+                    rest))
+                _progress(f"{backend} purge round {round_no + 1}: "
+                          f"{rows_purge.table_row(backend, batch, rest, rounds[-1:])}")
+            print(rows_purge.table_row(backend, batch, rest, rounds), flush=True)
+    if args.purge_events:
+        events_beside(backend, size, args)  # after the lock purge: its table is full again
+
+
+def events_beside(backend: str, size: int, args: argparse.Namespace) -> None:
+    """Audit retention beside acquire: --purge-events events over 30 days; round r deletes
+    the events older than 30 - r days (one day's worth, as a daily retention run does),
+    so the history is filled once."""
+    db_alias = alias(backend, size)
+    fill(db_alias, size)
+    rows_admin.fill_events(db_alias, args.purge_events, size)
+    print(f"\naudit retention beside acquire ({args.purge_events:,} events over 30 days, "
+          "each round deletes the oldest day's)\n")
+    print(rows_purge.table_head())
+    days = 30
+    for rest in args.purge_rest:
+        rounds = []
+        for _ in range(args.purge_rounds):
+            days -= 1  # every round its own day, oldest first
+            rounds.append(rows_purge.one_round(
+                db_alias, lambda n: measure(db_alias, n // 10, n), args.cycles,
+                args.purge_batch[0], rest, events_days=days))
+        print(rows_purge.table_row(backend, args.purge_batch[0], rest, rounds), flush=True)
+
+
 def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) -> None:
     from django.db import connections
 
     for size in sizes:
         fill(alias(backend, size), size)
         token_index(alias(backend, size), args.token_index)
+    if args.only_purge:
+        purge_rounds(backend, sizes[1], args)
+        connections.close_all()
+        return
     before = hot_counts(alias(backend, sizes[1]))
     rounds: list[dict[int, dict[str, list[float]]]] = []
     for round_no in range(args.rounds):
@@ -321,13 +369,7 @@ def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
     if not args.no_admin:
         admin_pages(backend, sizes, args)
     if not args.no_purge:
-        got = purge_beside(alias(backend, sizes[1]), args.cycles)
-        print(f"\npurge beside acquire ({label(sizes[1])} idle rows): deleted "
-              f"{got['deleted']:,} in {got['seconds']:.1f} s, {got['batches']} batches, "
-              f"batch p50 {got['batch_p50_ms']:.1f} ms, max {got['batch_max_ms']:.1f} ms; "
-              f"acquire p50/p99 µs idle {_us(got['idle_p50'])} / {_us(got['idle_p99'])}, "
-              f"beside the purge {_us(got['beside_p50'])} / {_us(got['beside_p99'])} "
-              f"({got['cycles_beside']} acquires)")
+        purge_rounds(backend, sizes[1], args)
     connections.close_all()
 
 
@@ -348,21 +390,46 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 10,000,000; 20,000 with --quick; 0: none)")
     parser.add_argument("--token-index", action="store_true",
                         help="measure with an index on token (the alternative to the floor)")
+    parser.add_argument("--only-purge", action="store_true",
+                        help="only purge beside acquire (no operation rounds, no admin)")
+    parser.add_argument("--purge-rounds", type=int, default=3,
+                        help="rounds of purge beside acquire (each refills the table)")
+    parser.add_argument("--purge-batch", default=None,
+                        help="batch sizes to compare, e.g. 250,1000 (default PURGE_BATCH)")
+    parser.add_argument("--purge-rest", default=None,
+                        help="rests between batches to compare, as multiples of the batch's "
+                             "time, e.g. 0,1 (default: PURGE_REST)")
+    parser.add_argument("--purge-events", type=int, default=0,
+                        help="audit events for audit retention beside acquire (0: skip)")
+    parser.add_argument("--db-suffix", default="",
+                        help="appended to the databases' names (runs that must not share)")
     args = parser.parse_args(argv)
+    from distlock.constants import PURGE_BATCH
+
+    try:
+        args.purge_batch = [int(b) for b in (args.purge_batch or str(PURGE_BATCH)).split(",")]
+        # None: distlock's own (PURGE_REST, distlock/batches.py).
+        args.purge_rest = ([None] if args.purge_rest is None
+                           else [float(r) for r in args.purge_rest.split(",")])
+    except ValueError:
+        parser.error("--purge-batch / --purge-rest: numbers, e.g. 250,1000 / 0,1")
     if args.quick:
         args.rounds, args.firsts, args.cycles, args.big = 1, 30, 50, 20_000
-        args.admin_repeat = 1
+        args.admin_repeat, args.purge_rounds = 1, 1
     if args.events is None:
         args.events = 20_000 if args.quick else 10_000_000
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or set(backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {', '.join(BACKENDS)}")
-    if args.rounds < 1 or args.firsts < 1 or args.cycles < 1 or args.big < 2000:
-        parser.error("need --rounds, --firsts, --cycles ≥ 1 and --big ≥ 2000")
+    if (args.rounds < 1 or args.firsts < 1 or args.cycles < 1 or args.big < 2000
+            or args.purge_rounds < 1 or min(args.purge_batch) < 1
+            or min(r or 0 for r in args.purge_rest) < 0):
+        parser.error("need --rounds, --firsts, --cycles, --purge-rounds, --purge-batch ≥ 1 "
+                     "and --big ≥ 2000")
     sizes = (1000, args.big)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="distlock-rows-") as folder:
-        configure(backends, sizes, folder)
+        configure(backends, sizes, folder, args.db_suffix)
         print(f"## distlock rows benchmark\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
               f", load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         for backend in backends:

@@ -12,16 +12,18 @@ the caller an exception for a lock it actually holds. A failed insert is logged 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.apps import AppConfig
 from django.core.checks import CheckMessage, Error
 from django.db import DatabaseError, transaction
+from django.db.models.expressions import Combinable
 from django.dispatch import Signal
 
 from distlock import signals
+from distlock.batches import in_batches
 from distlock.conf import conf
 from distlock.constants import PURGE_BATCH
 from distlock.status import database_now
@@ -183,8 +185,6 @@ def purge_events(
     holds a transaction open around it).
     Raises TypeError/ValueError for a bad age (nothing is deleted).
     """
-    from distlock.models import LockEvent
-
     if older_than is None:
         seconds = retention()
         if seconds is None:
@@ -195,21 +195,41 @@ def purge_events(
             raise ValueError(f"older_than must not be negative, not {seconds}")
     alias = check_using(using)
     cutoff = database_now(alias) - round(seconds * 1e6)
+    return sum(deleted for deleted, _ in event_batches(alias, cutoff))
+
+
+def event_batches(
+    alias: str, cutoff: int | Combinable, size: int | None = None, rest: float | None = None
+) -> Iterator[tuple[int, float]]:
+    """purge_events' batches of ``size`` events (default PURGE_BATCH), with a rest after
+    each that deleted rows (distlock/batches.py): yields (rows deleted, seconds the batch
+    took), for benchmarks/rows_purge.py to time them."""
+    size = PURGE_BATCH if size is None else size
+
+    def batch() -> tuple[int, bool]:
+        deleted = purge_event_batch(alias, cutoff, size)
+        return deleted, deleted == size
+
+    return in_batches(batch, rest)
+
+
+def purge_event_batch(alias: str, cutoff: int | Combinable, size: int) -> int:
+    """Delete up to ``size`` of the oldest events before ``cutoff`` (epoch µs, or an
+    expression of the database clock); return how many. One batch of purge_events: the
+    ids oldest first through the ``at_us`` index, then one DELETE by id, its own
+    transaction in autocommit, so years of history never sit under one statement's
+    locks and the recording of new events goes on beside it.
+    A function of its own so that benchmarks/rows_purge.py can time each batch."""
+    from distlock.models import LockEvent
+
     events = LockEvent.objects.using(alias)
-    # In batches of PURGE_BATCH, oldest first through the at_us index, each DELETE its
-    # own transaction (in autocommit): years of history never sit under one statement's
-    # locks, and the recording of new events goes on beside it.
-    deleted = 0
-    while True:
-        ids = list(
-            events.filter(at_us__lt=cutoff).order_by("at_us").values_list("id", flat=True)[
-                :PURGE_BATCH
-            ]
-        )
-        if not ids:
-            return deleted
-        count, _ = events.filter(id__in=ids).delete()
-        deleted += count
+    ids = list(
+        events.filter(at_us__lt=cutoff).order_by("at_us").values_list("id", flat=True)[:size]
+    )
+    if not ids:
+        return 0
+    count, _ = events.filter(id__in=ids).delete()
+    return count
 
 
 def check_audit_settings(

@@ -19,6 +19,11 @@ FLOOR_ID = 1
 # Rows purge_locks() and audit retention delete per transaction: each batch holds its row
 # locks for a few milliseconds, never for the length of the whole purge.
 PURGE_BATCH = 1000
+# After each batch of purge_locks() or audit retention that deleted rows, a rest this many
+# times as long as the batch took, at most PURGE_REST_MAX seconds, so waiting writers get
+# in between batches (distlock/batches.py).
+PURGE_REST = 1.0
+PURGE_REST_MAX = 0.05
 
 # The column every fenced model has: the highest fencing token that wrote the row.
 FENCE_FIELD = "fence_token"

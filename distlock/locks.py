@@ -6,7 +6,7 @@ import contextvars
 import functools
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ContextDecorator
 from datetime import timedelta
 from types import TracebackType
@@ -16,6 +16,7 @@ from asgiref.sync import iscoroutinefunction
 
 from distlock import db, grants, signals, uncommitted
 from distlock.backends.results import Busy, Grant
+from distlock.batches import in_batches
 from distlock.constants import PURGE_BATCH
 from distlock.exceptions import LockTimeout
 from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
@@ -336,17 +337,28 @@ def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) 
     comes back gets a higher token than it ever had. Rows are deleted in batches of
     ``PURGE_BATCH`` names, one short transaction each, so a purge of a large table never
     holds row locks for long; rows that become idle while it runs may be left for the
-    next purge.
+    next purge. See :func:`purge_batches` for the rest between batches.
     """
     seconds = check_seconds(idle, "idle")
     if seconds < 0:
         raise ValueError(f"idle must not be negative, not {seconds}")
     alias = check_using(using)
     uncommitted.refuse_if_holding(None, alias, "purging locks")
-    idle_us = round(seconds * 1e6)
-    purged = 0
+    return sum(deleted for deleted, _ in purge_batches(alias, round(seconds * 1e6)))
+
+
+def purge_batches(
+    alias: str, idle_us: int, size: int | None = None, rest: float | None = None
+) -> Iterator[tuple[int, float]]:
+    """purge_locks' batches of ``size`` names (default PURGE_BATCH), one transaction each,
+    with a rest after each that deleted rows (distlock/batches.py): yields (rows deleted,
+    seconds the batch took), for benchmarks/rows_purge.py to time them."""
+    size = PURGE_BATCH if size is None else size
     after: str | None = ""
-    while after is not None:
-        deleted, after = db.run(alias, "purge_batch", idle_us, after, PURGE_BATCH)
-        purged += deleted
-    return purged
+
+    def batch() -> tuple[int, bool]:
+        nonlocal after
+        deleted, after = db.run(alias, "purge_batch", idle_us, after, size)
+        return deleted, after is not None
+
+    return in_batches(batch, rest)

@@ -19,6 +19,7 @@ from django.urls import reverse
 from django.utils.timezone import localtime
 
 from distlock import LockLost, acquire, break_lock
+from distlock.admin_search import check_term, prefix_end
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
 from distlock.status import EXPIRED, FREE, HELD, STATES, locks, state_is
@@ -160,17 +161,75 @@ def test_filter_offers_the_three_states(su_client, three_locks):
 
 @pytest.mark.parametrize(
     ("query", "expected"),
-    [("job:h", ["job:held"]), ("worker-A", ["job:held"]), ("sleepy", ["job:expired"])],
+    [("job:", ["job:expired", "job:free", "job:held"]), ("job:h", ["job:held"]),
+     ("  job:f ", ["job:free"]), ("=job:free", ["job:free"]), ("=job:f", []),
+     ("JOB:", []), ("ob:", []), ("", ["job:expired", "job:free", "job:held"])],
 )
-def test_search_by_name_and_holder(su_client, three_locks, query, expected):
+def test_search_is_a_case_sensitive_name_prefix(su_client, three_locks, query, expected):
     response = su_client.get(reverse(CHANGELIST), {"q": query})
     assert result_names(response) == expected
+    assert "The start of a lock name, case-sensitive" in response.content.decode()
 
 
-def test_search_by_owner(su_client, three_locks):
-    held = three_locks[0]
-    response = su_client.get(reverse(CHANGELIST), {"q": held.owner})
-    assert result_names(response) == ["job:held"]
+def test_search_does_not_look_at_holder_or_owner(su_client, three_locks):
+    # Names only: holder and owner have no index, a search of them scans the table.
+    for query in ("worker-A", three_locks[0].owner):
+        assert result_names(su_client.get(reverse(CHANGELIST), {"q": query})) == []
+
+
+# Names that stress a prefix found as an index range: case, LIKE's wildcards, ":" and
+# "-" (which linguistic collations weigh last), accents, U+D7FF (the next code point is a
+# surrogate) and U+10FFFF (no next code point).
+HOSTILE = [
+    "inv", "inv:1", "inv:10", "inv:2", "Inv:1", "INV:1", "inv;", "inv:%", "inv:_x", "inv%1",
+    "inv_1", "invé", "inv:é", "a b", "a-b", "a:b", "ab", "B", "\ud7ff", "\ud7ffx",
+    "\ue000", "z\U0010ffff", "z\U0010ffffa", "{", "\U0010ffff", "\U0010ffff\U0010ffff",
+]
+
+
+@pytest.mark.parametrize(
+    "term",
+    ["inv", "inv:", "inv:1", "Inv", "inv:%", "inv%", "inv_", "inv:_", "inv:é", "a", "a:",
+     "a-", "\ud7ff", "z", "z\U0010ffff", "\U0010ffff", "\U0010ffff\U0010ffff", "{", "y"],
+)
+def test_search_prefix_finds_exactly_the_names_that_start_with_it(su_client, term):
+    for name in HOSTILE:
+        acquire(name, ttl=30).release()
+    found = result_names(su_client.get(reverse(CHANGELIST), {"q": term}))
+    wanted = [name for name in HOSTILE if name.startswith(term)]
+    assert sorted(found) == sorted(wanted)
+    if term in HOSTILE:
+        assert found[0] == term  # the exact name first
+
+
+@pytest.mark.parametrize(
+    ("term", "says"),
+    [("x" * 300, "300 characters long"), ("=", "empty")],
+)
+def test_search_term_no_name_can_match_says_why(su_client, three_locks, term, says):
+    response = su_client.get(reverse(CHANGELIST), {"q": term})
+    assert response.status_code == 200
+    assert result_names(response) == []
+    [message] = messages_of(response)
+    assert message.startswith("Nothing was searched: no lock name can match")
+    assert says in message
+
+
+def test_search_term_with_a_nul_is_refused_by_django_with_a_message(su_client, three_locks):
+    # Django's own search form drops it (and lists everything); the search never sees it.
+    response = su_client.get(reverse(CHANGELIST), {"q": "job:\x00"})
+    assert response.status_code == 200
+    assert messages_of(response) == ["Null characters are not allowed."]
+
+
+@pytest.mark.parametrize(
+    ("term", "says"),
+    [("inv\x00:1", "“inv\\x00:1”"), ("\ud800x", "“\\ud800x”"), ("y" * 999, "(999 characters)")],
+)
+def test_check_term_quotes_a_bad_term_readably(term, says):
+    with pytest.raises(ValueError, match="no lock name can match") as caught:
+        check_term(term)
+    assert says in str(caught.value)
 
 
 def test_ordering_by_name_by_default_and_by_state_on_request(su_client, three_locks):
@@ -682,3 +741,23 @@ def test_the_lock_list_counts_up_to_the_cap_too(su_client, monkeypatch):
     assert response.context["cl"].result_count == 3
     assert "more than 2 locks" in response.content.decode()
     assert result_names(response) == [f"row:{n}" for n in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "end"),
+    [("inv:", "inv;"), ("a", "b"), ("\ud7ff", "\ue000"), ("z\U0010ffff", "{"),
+     ("\U0010ffff\U0010ffff", None), ("é", "ê")],
+)
+def test_prefix_end_is_the_first_string_past_the_prefix(prefix, end):
+    assert prefix_end(prefix) == end
+
+
+def test_names_are_in_code_point_order_on_the_test_databases(lock_db):
+    # The search's index range needs it; the test databases have it (PostgreSQL's is
+    # C.UTF-8, MariaDB's column utf8mb4_nopad_bin, SQLite's BINARY).
+    from django.db import connections
+
+    from distlock.backends import backend_for
+
+    connection = connections[lock_db]
+    assert backend_for(connection).names_in_code_point_order(connection)

@@ -10,7 +10,7 @@ import pytest
 from django.db import connection, connections
 
 from distlock import LockLost, StaleToken, acquire, break_lock, signals
-from distlock.audit import check_audit_settings, purge_events, record
+from distlock.audit import check_audit_settings, event_batches, purge_events, record
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
 from distlock.testing import make_stale
@@ -170,6 +170,17 @@ def test_purge_events_by_age(audit):
     assert purge_events(older_than=86400) == 1
     assert kinds("p") == ["released"]
     assert purge_events() == 0  # default retention: 30 days
+
+
+def test_purge_events_goes_oldest_first_in_bounded_batches(audit):
+    for i in range(5):
+        acquire(f"old:{i}", ttl=30).release()  # 10 events: acquired and released
+    now = db_now_us("default")
+    LockEvent.objects.update(at_us=now - 10 * 86400 * 1_000_000)
+    acquire("new", ttl=30).release()
+    cutoff = now - 86400 * 1_000_000
+    assert [d for d, _ in event_batches("default", cutoff, size=4, rest=0.0)] == [4, 4, 2]
+    assert sorted(set(LockEvent.objects.values_list("name", flat=True))) == ["new"]
 
 
 def test_purge_events_uses_the_retention_setting(audit, settings):

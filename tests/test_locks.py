@@ -22,7 +22,9 @@ from distlock import (
     purge_locks,
 )
 from distlock.backends import backend_for
+from distlock.constants import PURGE_REST_MAX
 from distlock.db import db_now_us
+from distlock.locks import purge_batches
 from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -268,6 +270,32 @@ def test_purge_deletes_in_batches_and_raises_the_floor(monkeypatch):
     assert TokenFloor.objects.get().token == max(lease.token for lease in leases[1:])
     assert acquire("batch:7", ttl=30).token == leases[7].token + 1
     assert leases[0].release() is True
+
+
+def test_purge_batches_are_bounded_and_rest_after_deleting(lock_db):
+    for i in range(7):
+        acquire(f"rest:{i}", ttl=30).release()
+    held = acquire("rest:held", ttl=30)
+    seen, gaps = [], []
+    last = None
+    for deleted, took in purge_batches(lock_db, 0, size=3, rest=2.0):
+        now = time.monotonic()
+        if last is not None:
+            gaps.append((now - last[0], last[1], took))
+        seen.append(deleted)
+        last = (now, took)
+    # 8 names in name order, 3 a batch: the held one is looked at, never deleted.
+    assert seen == [3, 3, 1]
+    for gap, before, took in gaps:  # rested twice the deleting batch's time (capped)
+        assert gap >= min(2.0 * before, PURGE_REST_MAX) + took
+    assert list(Lock.objects.values_list("name", flat=True)) == ["rest:held"]
+    assert held.release() is True
+
+
+def test_purge_batches_do_not_rest_when_told_not_to(lock_db):
+    for i in range(4):
+        acquire(f"norest:{i}", ttl=30).release()
+    assert [d for d, _ in purge_batches(lock_db, 0, size=2, rest=0.0)] == [2, 2, 0]
 
 
 def test_first_use_puts_a_missing_floor_back_from_the_table():

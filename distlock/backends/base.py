@@ -158,6 +158,11 @@ class Backend(TokenFloorSQL):
         """The collation the live lock table's name column has, where it matters."""
         return None
 
+    def names_in_code_point_order(self, connection: BaseDatabaseWrapper) -> bool:
+        """Does the name column order strings by code point? Then the names starting with
+        a prefix are one range of its index (the admin's search); False when unsure."""
+        return False
+
     def check_messages(
         self, alias: str, settings_dict: dict[str, Any], *, name_collation: str | None = None
     ) -> list[CheckMessage]:

@@ -87,6 +87,11 @@ class MySQL(Backend):
             row = cursor.fetchone()
         return None if row is None else str(row[0])
 
+    def names_in_code_point_order(self, connection: BaseDatabaseWrapper) -> bool:
+        # The binary NO PAD collations compare utf8mb4 bytes: code point order.
+        collation = self.name_collation(connection)
+        return collation is not None and exact_collation(collation)
+
     def check_messages(
         self, alias: str, settings_dict: dict[str, Any], *, name_collation: str | None = None
     ) -> list[CheckMessage]:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock.backends import pg_collation
 from distlock.backends.base import Backend
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
 from distlock.conf import conf
@@ -247,12 +248,14 @@ class PostgreSQL(Backend):
 
     # -- checks, the doctor, migrations --------------------------------------------------
 
+    def names_in_code_point_order(self, connection: BaseDatabaseWrapper) -> bool:
+        return pg_collation.code_point_order(connection)
+
     def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
         with connection.cursor() as cursor:
             cursor.execute("SHOW transaction_isolation")
-            isolation = cursor.fetchone()[0]
-        return [(OK, f"session isolation level is {isolation}; serialization failures "
-                     "are retried"), *pooler_findings(connection)]
+            found = f"session isolation level is {cursor.fetchone()[0]}"
+        return [(OK, f"{found}; serialization failures are retried"), *pooler_findings(connection)]
 
     def owned_index_sql(self, create: bool) -> str:
         # CONCURRENTLY: grants and releases go on while a large table is read.

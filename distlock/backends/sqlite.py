@@ -103,6 +103,10 @@ class SQLite(Backend):
             ))
         return messages
 
+    def names_in_code_point_order(self, connection: BaseDatabaseWrapper) -> bool:
+        # BINARY, SQLite's default collation, compares the UTF-8 bytes: code point order.
+        return True
+
     def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
         options = connection.settings_dict.get("OPTIONS", {})
         found = []

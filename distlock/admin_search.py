@@ -1,0 +1,94 @@
+"""The Locks list's search box: a lock name prefix, found through the primary key's index.
+
+Django's ``search_fields`` search is ``icontains`` on every field, a scan of the whole
+lock table (0.9–1.5 s at a million rows, docs/performance.md). Names are structured
+(``invoice:42``, ``report:customer:2026-12``), so what an operator types is the start of
+one. The box's rules (docs/operations.md, and the help text under it):
+
+- ``invoice:4`` finds the names that start with ``invoice:4``, case-sensitive as names
+  are; the name itself, if it exists, is the first row (the list is in name order).
+- ``=invoice:4`` finds that one name only.
+- White space around the term is dropped; an empty term lists everything.
+
+Where the name column orders by code point (SQLite; the binary NO PAD collation distlock
+gives the column on MariaDB/MySQL; PostgreSQL under C, POSIX or C.UTF-8), the names
+starting with ``p`` are exactly those with ``p <= name < prefix_end(p)``: one range of
+the index. Elsewhere (a linguistic PostgreSQL collation) the search is ``LIKE 'p%'``,
+right but a scan.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from django.db import connections
+from django.db.models import QuerySet
+
+from distlock.backends import backend_for
+from distlock.validation import check_name
+
+_Q = TypeVar("_Q", bound=QuerySet)  # type: ignore[type-arg]
+
+EXACT = "="
+# Code points: the largest, and the surrogates, which no str stored in a database has.
+_LAST = 0x10FFFF
+_SURROGATES = range(0xD800, 0xE000)
+
+HELP_TEXT = (
+    "The start of a lock name, case-sensitive: “invoice:4” finds invoice:4, invoice:42… "
+    "(the name itself first). “=invoice:4” finds that name only."
+)
+
+
+def check_term(term: str) -> tuple[str, bool]:
+    """(the name or prefix, whether it is an exact name) of a search term; ValueError
+    with a message for the operator if it cannot start a lock name (too long, a NUL)."""
+    term = term.strip()
+    exact = term.startswith(EXACT)
+    value = term[len(EXACT):].strip() if exact else term
+    try:
+        return check_name(value), exact
+    except ValueError as exc:
+        raise ValueError(f"no lock name can match “{_shown(value)}”: "
+                         f"{str(exc).replace('lock name', 'it')}") from None
+
+
+def prefix_end(prefix: str) -> str | None:
+    """The smallest string above every string that starts with ``prefix``, in code
+    point order (None: there is none, the prefix is all U+10FFFF).
+
+    The last character that is not U+10FFFF, one code point up (over the surrogates),
+    with what followed it dropped: a name starting with ``prefix`` is below it, since
+    it has a smaller character at that place, and a name at or above ``prefix`` and
+    below it starts with ``prefix``.
+    """
+    kept = prefix.rstrip(chr(_LAST))
+    if not kept:
+        return None
+    up = ord(kept[-1]) + 1
+    if up in _SURROGATES:
+        up = _SURROGATES.stop
+    return kept[:-1] + chr(up)
+
+
+def search(queryset: _Q, term: str) -> _Q:
+    """``queryset`` narrowed to the names ``term`` finds (module docstring); ValueError
+    from :func:`check_term` for a term no name can match."""
+    if not term.strip():
+        return queryset
+    value, exact = check_term(term)
+    if exact:
+        return queryset.filter(name=value)
+    connection = connections[queryset.db]
+    if not backend_for(connection).names_in_code_point_order(connection):
+        return queryset.filter(name__startswith=value)
+    end = prefix_end(value)
+    found = queryset.filter(name__gte=value)
+    return found if end is None else found.filter(name__lt=end)
+
+
+def _shown(value: str) -> str:
+    """A term fit to quote in a message: NULs and lone surrogates visible, at most 60
+    characters."""
+    shown = value.encode("utf-8", "backslashreplace").decode().replace("\x00", "\\x00")
+    return shown if len(shown) <= 60 else f"{shown[:60]}… ({len(value):,} characters)"
