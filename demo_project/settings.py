@@ -58,7 +58,10 @@ DATABASES = {
         os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'demo.sqlite3'}")
     )
 }
-# distlock gets its own connection to the same database, so locks work inside atomic().
+# distlock gets its own connection to the same database, so on PostgreSQL and MariaDB
+# locks work inside atomic(). On SQLite (the default here) one writer at a time is the
+# database's rule, so a second connection cannot lock inside another's write
+# transaction: distlock refuses it there (README, Transactions).
 DATABASES["distlock"] = {**DATABASES["default"]}
 DISTLOCK_DATABASE = "distlock"
 
