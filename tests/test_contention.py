@@ -17,6 +17,7 @@ from distlock.db import db_now_us
 from distlock.models import Lock
 from distlock.wakeups import queued
 from tests.support.helpers import wait_until
+from tests.support.pgbouncer import WAKEUP_CLASS
 from tests.support.processes import LIBFAKETIME, skewed_clock_env
 
 pytestmark = pytest.mark.processes
@@ -216,7 +217,7 @@ def _listening_waiters() -> int:
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
             "AND mode = 'ShareLock' AND granted AND database = "
             "(SELECT oid FROM pg_database WHERE datname = current_database())",
-            [1684825963],
+            [WAKEUP_CLASS],
         )
         return int(cursor.fetchone()[0])
 
