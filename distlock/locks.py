@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import iscoroutinefunction
+from django.db import connections
 
 from distlock import db, grants, signals, uncommitted
 from distlock.backends.results import Busy, Grant
@@ -111,6 +112,10 @@ def acquire(
         if not blocking and isinstance(result, Busy):
             grants.gives_up(request, None)
             return None
+    else:
+        # Refused inside a transaction at once, as the first try would be, not after
+        # waiting for a turn in the queue.
+        db.refuse_atomic(connections[request.alias])
     if not isinstance(result, Grant):
         with queue_for(request.alias, request.name, give_up) as turn:
             if turn is None:

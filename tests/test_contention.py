@@ -7,13 +7,14 @@ import threading
 import time
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
 from distlock import acquire
 from distlock.backends import backend_for
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE as TABLE
 from distlock.db import db_now_us
+from distlock.exceptions import TransactionNotAllowed
 from distlock.models import Lock
 from distlock.wakeups import queued
 from tests.support.helpers import wait_until
@@ -268,3 +269,34 @@ def test_threads_waiting_for_one_name_take_turns(lock_db):
     assert not any(thread.is_alive() for thread in threads)
     assert order == [0, 1, 2, 4, 5, 0], "the lock was not handed over in arrival order"
     assert queued("default", "turns") == 0
+
+
+def test_an_acquire_inside_atomic_is_refused_at_once_while_threads_queue(lock_db):
+    """The queue does not delay the transaction check: inside atomic() on the lock's
+    database an acquire is refused at once, as its first try would be, not after its turn
+    (the first try is skipped while threads of the process queue for the name)."""
+    holder = acquire("turns-atomic", ttl=60)
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(acquire("turns-atomic", ttl=60, timeout=60))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        wait_until(lambda: queued("default", "turns-atomic") == 1, 30, "a thread queued")
+        started = time.monotonic()
+        with pytest.raises(TransactionNotAllowed), transaction.atomic():
+            acquire("turns-atomic", ttl=60, timeout=60)
+        assert time.monotonic() - started < 10, "refused only after waiting in the queue"
+        assert queued("default", "turns-atomic") == 1
+    finally:
+        holder.release()
+        thread.join(60)
+    assert not thread.is_alive()
+    lease = outcome[0]
+    assert lease is not None
+    lease.release()
