@@ -121,7 +121,7 @@ def acquire(
             if turn is None:
                 grants.gives_up(request, 0.0)
                 return None
-            granted = _wait_in_turn(request, give_up, turn, result if turn.waited == 0 else None)
+            granted = _wait_in_turn(request, give_up, turn, result if turn.arrived_first else None)
         if granted is None:
             return None
         started, result = granted

@@ -90,13 +90,14 @@ class _Queue:
 
 
 class Turn:
-    """What :func:`queue_for` yields once a thread is first: how long it queued, and the
-    event a release in this process sets."""
+    """What :func:`queue_for` yields once a thread is first: whether it was first on
+    arrival (nothing happened since its last try), and the event a release in this
+    process sets."""
 
-    __slots__ = ("freed", "waited")
+    __slots__ = ("arrived_first", "freed")
 
-    def __init__(self, waited: float, freed: threading.Event) -> None:
-        self.waited = waited
+    def __init__(self, arrived_first: bool, freed: threading.Event) -> None:
+        self.arrived_first = arrived_first
         self.freed = freed
 
 
@@ -113,7 +114,7 @@ def has_queue(alias: str, name: str) -> bool:
 @contextlib.contextmanager
 def queue_for(alias: str, name: str, deadline: float | None) -> Iterator[Turn | None]:
     """Wait for this thread's turn to try ``name``: yields a :class:`Turn` once it is first
-    in the queue (``waited`` is 0.0 if it was first on arrival), None if ``deadline``
+    in the queue, None if ``deadline``
     (monotonic) passed first. Leaving the block gives the turn to the next thread,
     whatever happened inside.
     """
@@ -128,16 +129,12 @@ def queue_for(alias: str, name: str, deadline: float | None) -> Iterator[Turn | 
         if first:
             mine.set()
     try:
-        if first:
-            yield Turn(0.0, queue.freed)
-        else:
-            arrived = time.monotonic()
+        if not first:
             if deadline is None:
                 mine.wait()
             else:
-                mine.wait(max(deadline - arrived, 0.0))
-            waited = time.monotonic() - arrived
-            yield Turn(waited, queue.freed) if mine.is_set() else None
+                mine.wait(max(deadline - time.monotonic(), 0.0))
+        yield Turn(first, queue.freed) if mine.is_set() else None
     finally:
         with _queues_lock:
             queue.turns.remove(mine)
