@@ -24,6 +24,7 @@ process's threads.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import deque
@@ -103,6 +104,18 @@ class Turn:
 
 _queues: dict[tuple[str, str], _Queue] = {}
 _queues_lock = threading.Lock()
+
+
+def _forget_queues() -> None:
+    """In a child made by fork (Celery's prefork pool, gunicorn --preload): the queued
+    threads were not copied, so their queues would keep the child's acquires waiting for
+    turns that never come, and the mutex may have been copied held."""
+    global _queues_lock
+    _queues.clear()
+    _queues_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_queues)
 
 
 def has_queue(alias: str, name: str) -> bool:

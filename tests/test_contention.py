@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -300,3 +301,32 @@ def test_an_acquire_inside_atomic_is_refused_at_once_while_threads_queue(lock_db
     lease = outcome[0]
     assert lease is not None
     lease.release()
+
+
+def test_a_forked_child_does_not_inherit_the_queues(lock_db):
+    """A process forked while threads queue for a name (a prefork pool started by a
+    process that locks) gets no copy of their queue: its own acquires of the name are
+    not held behind threads it does not have."""
+    holder = acquire("turns-fork", ttl=60)
+    thread = threading.Thread(
+        target=lambda: (acquire("turns-fork", ttl=60, timeout=60).release(),
+                        connections.close_all())
+    )
+    thread.start()
+    try:
+        wait_until(lambda: queued("default", "turns-fork") == 1, 30, "a thread queued")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what it sees, touch no connection, exit at once
+            os.write(write, str(queued("default", "turns-fork")).encode())
+            os._exit(0)
+        os.close(write)
+        seen = os.read(read, 100).decode()
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert seen == "0", f"the child inherited a queue of {seen} thread(s)"
+        assert queued("default", "turns-fork") == 1
+    finally:
+        holder.release()
+        thread.join(60)
+    assert not thread.is_alive()
