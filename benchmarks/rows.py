@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="audit events for audit retention beside acquire (0: skip)")
     parser.add_argument("--db-suffix", default="",
                         help="appended to the databases' names (runs that must not share)")
+    parser.add_argument("--sqlite-dir", default=None,
+                        help="keep the SQLite files in this folder between runs (default: "
+                             "a temporary folder, filled again each run)")
     args = parser.parse_args(argv)
     from distlock.constants import PURGE_BATCH
 
@@ -428,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                      "and --big ≥ 2000")
     sizes = (1000, args.big)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="distlock-rows-") as folder:
+    with tempfile.TemporaryDirectory(prefix="distlock-rows-") as temporary:
+        folder = args.sqlite_dir or temporary
+        if args.sqlite_dir:
+            os.makedirs(folder, exist_ok=True)
         configure(backends, sizes, folder, args.db_suffix)
         print(f"## distlock rows benchmark\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
               f", load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

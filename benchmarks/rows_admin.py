@@ -104,6 +104,8 @@ def fill_events(db_alias: str, count: int, names: int) -> None:
             return
         print(f"  … {db_alias}: filling {count:,} audit events", flush=True)
         cursor.execute("DELETE FROM distlock_lockevent")
+        if count == 0:  # --events 0: no history (and no step to spread it by)
+            return
         step = 30 * 86400 * 10**6 // count
         cursor.execute(_EVENTS[connection.vendor].format(
             now=db_now_us(db_alias), step=step, count=count, names=names))
