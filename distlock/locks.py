@@ -337,8 +337,9 @@ def break_lock(
 def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) -> int:
     """Delete lock rows free or expired for at least ``idle``; return how many.
 
-    Fencing tokens stay safe: each deleting transaction raises the token floor to the
-    largest token it deletes, and new rows start above the floor, so a purged name that
+    Fencing tokens stay safe: before each batch's delete the token floor is raised to the
+    largest token it may delete (the delete takes only rows at or below it), and new rows
+    start above the floor, so a purged name that
     comes back gets a higher token than it ever had. Rows are deleted in batches of
     ``PURGE_BATCH`` names, one short transaction each, so a purge of a large table never
     holds row locks for long; rows that become idle while it runs may be left for the
@@ -362,8 +363,13 @@ def purge_batches(
     after: str | None = ""
 
     def batch() -> tuple[int, bool]:
+        # Two transactions: the floor raised (and committed) first, then the delete, so
+        # the floor's lock is held for one row's update, not for a batch of deletes
+        # (first uses of new names wait for it; docs/performance.md, "Purge beside
+        # acquire").
         nonlocal after
-        deleted, after = db.run(alias, "purge_batch", idle_us, after, size)
+        idle, ceiling, after = db.run(alias, "purge_look", idle_us, after, size)
+        deleted = db.run(alias, "purge_delete", idle, idle_us, ceiling) if idle else 0
         return deleted, after is not None
 
     return in_batches(batch, rest)

@@ -1,7 +1,8 @@
 """The token floor's SQL: what keeps a purged name that comes back above its old tokens.
 
 New lock rows start one above the floor (``distlock_floor``, one row), which purge raises
-to the largest token it deletes, in the deleting transaction — O(1) per first use, where
+to the largest token it may delete, committed before the delete (which takes only rows at
+or below it) — O(1) per first use, where
 reading the lock table's largest token scanned it. After a failover to a standby that
 missed the last commits, :meth:`TokenFloorSQL.raise_tokens` lifts the floor and every
 lock row above every token the lost primary can have issued. Portable SQL, a base of
@@ -54,52 +55,63 @@ class TokenFloorSQL:
             row = cursor.fetchone()
         return int(row[0])
 
-    def purge_batch(
+    def purge_look(
         self, cursor: Any, idle_us: int, after: str, size: int
-    ) -> tuple[int, str | None]:
-        """Delete the rows free or expired for at least ``idle_us`` among the ``size``
-        names that follow ``after`` in name order.
+    ) -> tuple[list[str], int, str | None]:
+        """A purge batch's first transaction: among the ``size`` names that follow
+        ``after`` in name order, the rows free or expired for at least ``idle_us``; raise
+        the token floor to the largest of their tokens.
 
-        Returns (rows deleted, the last name looked at — None once the table's end is
-        reached). One batch is one short transaction: a look at ``size`` rows through the
-        primary key without locking them, then the floor locked for writing, the idle
-        rows among them locked, deleted, and the floor raised to the largest token
-        deleted. The floor is locked before any lock row, in every transaction that takes
-        both, so purges and first uses wait for each other instead of deadlocking.
+        Returns (the idle names, the floor now — the ceiling of what
+        :meth:`purge_delete` may delete —, the last name looked at: None once the table's
+        end is reached). The look locks no lock row; the floor is locked only for its own
+        update and the commit, not for the deletes: a first use of a new name, which
+        reads the floor with a share lock, waits for one row's update, not for a batch.
+        A floor raised for a row that is then granted instead of deleted is harmless: the
+        floor only has to be at or above every token deleted.
         """
         now = self.now_sql()
         cursor.execute(
-            f"SELECT name, CASE WHEN expires_us <= {now} - %s THEN 1 ELSE 0 END "
+            f"SELECT name, token, CASE WHEN expires_us <= {now} - %s THEN 1 ELSE 0 END "
             f"FROM {TABLE} WHERE name > %s ORDER BY name LIMIT %s",
             [idle_us, after, size],
         )
         rows = cursor.fetchall()
         last = str(rows[-1][0]) if len(rows) == size else None
-        idle = [name for name, is_idle in rows if is_idle]
+        idle = [(str(name), int(token)) for name, token, is_idle in rows if is_idle]
         if not idle:
-            return 0, last
+            return [], 0, last
         floor = self.floor(cursor, self.for_update)
-        marks = ", ".join(["%s"] * len(idle))
-        # Locked before deciding: the token read is the one deleted, whatever a
-        # concurrent grant did to the row since the look above.
-        cursor.execute(
-            f"SELECT name, token FROM {TABLE} WHERE name IN ({marks}) "
-            f"AND expires_us <= {now} - %s{self.for_update}",
-            [*idle, idle_us],
-        )
-        doomed = cursor.fetchall()
-        if not doomed:
-            return 0, last
-        marks = ", ".join(["%s"] * len(doomed))
-        cursor.execute(
-            f"DELETE FROM {TABLE} WHERE name IN ({marks})", [name for name, _ in doomed]
-        )
-        top = max(int(token) for _, token in doomed)
+        top = max(token for _, token in idle)
         if top > floor:
             cursor.execute(
                 f"UPDATE {FLOOR_TABLE} SET token = %s WHERE id = %s", [top, FLOOR_ID]
             )
-        return len(doomed), last
+        return [name for name, _ in idle], max(top, floor), last
+
+    def purge_delete(
+        self, cursor: Any, names: list[str], idle_us: int, ceiling: int
+    ) -> int:
+        """A purge batch's second transaction: delete those of ``names`` still idle for
+        ``idle_us`` whose token is at most ``ceiling`` (the floor committed by
+        :meth:`purge_look`); return how many.
+
+        The condition is judged on each row's current version under its row lock, so a
+        row granted since the look (a fresh lease, a higher token) stays. Every row
+        deleted has a token at or below the floor, which only rises, and a first use
+        reads the floor after the delete's commit (its insert of a name being deleted
+        waits for it), so a purged name that comes back starts above every token it had.
+        No floor lock here: a first use holding the floor's share lock may wait for this
+        delete (the name it inserts), and nothing here waits for the floor.
+        """
+        marks = ", ".join(["%s"] * len(names))
+        now = self.now_sql()
+        cursor.execute(
+            f"DELETE FROM {TABLE} WHERE name IN ({marks}) AND expires_us <= {now} - %s "
+            "AND token <= %s",
+            [*names, idle_us, ceiling],
+        )
+        return int(cursor.rowcount)
 
     def raise_tokens(
         self, cursor: Any, margin: int
