@@ -99,12 +99,13 @@ class StateFilter(admin.SimpleListFilter):
 
 
 @admin.register(Lock)
-class LockAdmin(_LockAdminBase):
+class LockAdmin(admin_search.NameSearch, _LockAdminBase):
     list_display = [
         "name", "state_badge", "holder_cut", "token", "acquired", "expires", "renewed",
     ]
     list_filter = [StateFilter]
-    # The box searches names only, by prefix through the primary key (get_search_results).
+    # The box searches names only, by prefix through the primary key (NameSearch: one
+    # range of the index, where Django's search would scan the table).
     search_fields = ["name"]
     search_help_text = admin_search.HELP_TEXT
     ordering = ["name"]
@@ -159,18 +160,6 @@ class LockAdmin(_LockAdminBase):
     def get_queryset(self, request: HttpRequest) -> QuerySet[LockWithState]:
         alias = conf.database()
         return with_state(super().get_queryset(request).using(alias), alias)
-
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
-    ) -> tuple[QuerySet[Any], bool]:
-        """A name prefix, or ``=name`` (distlock/admin_search.py): one range of the
-        primary key's index, where Django's search would scan the table. A term no name
-        can match (too long, a NUL) lists nothing and says why."""
-        try:
-            return admin_search.search(queryset, search_term), False
-        except ValueError as exc:
-            self.message_user(request, f"Nothing was searched: {exc}.", messages.ERROR)
-            return queryset.none(), False
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
