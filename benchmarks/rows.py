@@ -226,7 +226,8 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
     tuned = (model_admin.show_full_result_count, model_admin.show_facets)
     model_admin.show_full_result_count, model_admin.show_facets = True, admin.ShowFacets.ALLOW
     try:
-        defaults = rows_admin.time_pages(alias(backend, sizes[1]), args.admin_repeat)
+        defaults = ({page: float("nan") for page in big} if args.no_admin_defaults else
+                    rows_admin.time_pages(alias(backend, sizes[1]), args.admin_repeat))
     finally:
         model_admin.show_full_result_count, model_admin.show_facets = tuned
     s, b = label(sizes[0]), label(sizes[1])
@@ -235,6 +236,11 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
           "|---|---:|---:|---:|")
     for page in small:
         print(f"| {page} | {small[page]:,.1f} | {big[page]:,.1f} | {defaults[page]:,.1f} |")
+    small, big = (rows_admin.time_commands(alias(backend, size), args.admin_repeat)
+                  for size in sizes)
+    for command in small:
+        print(f"| `{command}` (command, output to memory) | {small[command]:,.1f} | "
+              f"{big[command]:,.1f} | – |")
     small, big = (search_times(alias(backend, size), args.admin_repeat) for size in sizes)
     print(f"\n| Locks search ({backend}, median ms) | {s} | {b} |\n|---|---:|---:|")
     for what, term in SEARCHES.items():
@@ -384,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big", type=int, default=1_000_000, help="rows of the large table")
     parser.add_argument("--no-purge", action="store_true", help="skip purge beside acquire")
     parser.add_argument("--no-admin", action="store_true", help="skip the admin pages")
+    parser.add_argument("--no-admin-defaults", action="store_true",
+                        help="skip the admin pages with Django's defaults (whole counts)")
     parser.add_argument("--admin-repeat", type=int, default=5, help="timed fetches per page")
     parser.add_argument("--events", type=int, default=None,
                         help="audit events of the large table for the admin pages "

@@ -55,6 +55,9 @@ def pages() -> dict[str, str]:
 
     changelist = reverse("admin:distlock_lock_changelist")
     events = reverse("admin:distlock_lockevent_changelist")
+    timeline = reverse("admin:distlock_lock_timeline")
+    # fill:0000042 has events in every history fill_events writes (names = the table's
+    # rows, so at 1M rows and 10M events about 10 of them; at 1k, one in a thousand).
     return {
         "Locks changelist": changelist,
         "state = held": f"{changelist}?state=held",
@@ -62,11 +65,53 @@ def pages() -> dict[str, str]:
         "state = free": f"{changelist}?state=free",
         "search a name": f"{changelist}?q=hot%3A042",
         "a lock's page": reverse("admin:distlock_lock_change", args=[quote("hot:042")]),
+        "a lock's page, with history": reverse("admin:distlock_lock_change",
+                                               args=[quote("fill:0000042")]),
+        "timeline of a lock": f"{timeline}?name=fill:0000042",
+        "timeline of three locks": f"{timeline}?name=fill:0000042&name=fill:0000043"
+                                   "&name=hot:042",
         "overview page": reverse("admin:distlock_overview"),
         "overview refresh (fragment)": reverse("admin:distlock_overview_fragment"),
         "Lock events changelist": events,
+        "events: kind = stale write": f"{events}?kind=stale_write",
+        "events: last hour": f"{events}?age=hour",
         "events: kind = stale write, last hour": f"{events}?kind=stale_write&age=hour",
+        "events: kind = broken, last week (none)": f"{events}?kind=broken&age=week",
+        "events search, 1 name (`fill:0000042`)": f"{events}?q=fill%3A0000042",
+        "events search, =name (`=fill:0000042`)": f"{events}?q=%3Dfill%3A0000042",
+        "events search, 1% of names (`fill:00`)": f"{events}?q=fill%3A00",
+        "events search, every name (`fill:`)": f"{events}?q=fill%3A",
+        "events search, no name (`zzz`)": f"{events}?q=zzz",
     }
+
+
+# distlock_list's two forms: every lock (a listing of the whole table, by nature) and the
+# held ones (the owned rows' index).
+COMMANDS = {"distlock_list --held": ["--held"], "distlock_list": []}
+
+
+def time_commands(db_alias: str, repeat: int) -> dict[str, float]:
+    """Median milliseconds of each of COMMANDS on ``db_alias`` (its output to memory)."""
+    import io
+
+    from django.core.management import call_command
+
+    from distlock.models import Lock
+
+    # Listing a million rows takes about a minute (its cost is the listing itself): once.
+    whole_once = Lock.objects.using(db_alias).count() > 100_000
+    got = {}
+    for label, options in COMMANDS.items():
+        times = []
+        warm, timed = (0, 1) if whole_once and not options else (1, repeat)
+        for i in range(warm + timed):
+            out = io.StringIO()
+            started = time.perf_counter()
+            call_command("distlock_list", *options, "--database", db_alias, stdout=out)
+            if i >= warm:
+                times.append((time.perf_counter() - started) * 1000)
+        got[label] = statistics.median(times)
+    return got
 
 
 # Events spread evenly over the last 30 days (the default retention) up to now, names
