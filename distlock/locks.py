@@ -16,6 +16,7 @@ from asgiref.sync import iscoroutinefunction
 from django.db import connections
 
 from distlock import db, grants, signals, uncommitted
+from distlock.backends import backend_for
 from distlock.backends.results import Busy, Grant
 from distlock.batches import in_batches
 from distlock.constants import PURGE_BATCH
@@ -362,12 +363,17 @@ def purge_batches(
     size = PURGE_BATCH if size is None else size
     after: str | None = ""
 
+    one_writer = backend_for(connections[alias]).single_writer
+
     def batch() -> tuple[int, bool]:
         # Two transactions: the floor raised (and committed) first, then the delete, so
         # the floor's lock is held for one row's update, not for a batch of deletes
         # (first uses of new names wait for it; docs/performance.md, "Purge beside
-        # acquire").
+        # acquire"). One on SQLite, where every writer waits for the whole batch anyway.
         nonlocal after
+        if one_writer:
+            deleted, after = db.run(alias, "purge_batch", idle_us, after, size)
+            return deleted, after is not None
         idle, ceiling, after = db.run(alias, "purge_look", idle_us, after, size)
         deleted = db.run(alias, "purge_delete", idle, idle_us, ceiling) if idle else 0
         return deleted, after is not None

@@ -113,6 +113,17 @@ class TokenFloorSQL:
         )
         return int(cursor.rowcount)
 
+    def purge_batch(
+        self, cursor: Any, idle_us: int, after: str, size: int
+    ) -> tuple[int, str | None]:
+        """Both steps of a purge batch in one transaction, for a database with one writer
+        at a time (SQLite): there a first use waits for the whole database's write lock
+        anyway, so a second transaction only makes the purge queue for that lock twice
+        per batch, and SQLite's busy handler lets a stream of acquires starve it.
+        Returns (rows deleted, the last name looked at)."""
+        idle, ceiling, last = self.purge_look(cursor, idle_us, after, size)
+        return (self.purge_delete(cursor, idle, idle_us, ceiling) if idle else 0), last
+
     def raise_tokens(
         self, cursor: Any, margin: int
     ) -> tuple[int, int, int, list[tuple[str, str, int, str]]]:
