@@ -221,13 +221,15 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
     # The small table keeps a small history (1,000 events); the large one gets --events.
     for size, events in zip(sizes, (min(1000, args.events), args.events), strict=True):
         rows_admin.fill_events(alias(backend, size), events, size)
-    small, big = (rows_admin.time_pages(alias(backend, size), args.admin_repeat)
+    skipped = {label.strip() for label in args.skip_pages.split(";")}
+    wanted = [page for page in rows_admin.pages() if page not in skipped]
+    small, big = (rows_admin.time_pages(alias(backend, size), args.admin_repeat, wanted)
                   for size in sizes)
     tuned = (model_admin.show_full_result_count, model_admin.show_facets)
     model_admin.show_full_result_count, model_admin.show_facets = True, admin.ShowFacets.ALLOW
     try:
         defaults = ({page: float("nan") for page in big} if args.no_admin_defaults else
-                    rows_admin.time_pages(alias(backend, sizes[1]), args.admin_repeat))
+                    rows_admin.time_pages(alias(backend, sizes[1]), args.admin_repeat, wanted))
     finally:
         model_admin.show_full_result_count, model_admin.show_facets = tuned
     s, b = label(sizes[0]), label(sizes[1])
@@ -392,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-admin", action="store_true", help="skip the admin pages")
     parser.add_argument("--no-admin-defaults", action="store_true",
                         help="skip the admin pages with Django's defaults (whole counts)")
+    parser.add_argument("--skip-pages", default="",
+                        help="skip these admin pages, labels as printed separated by ';' "
+                             "(e.g. 'events: kind = stale write': seconds at 10M events)")
     parser.add_argument("--admin-repeat", type=int, default=5, help="timed fetches per page")
     parser.add_argument("--events", type=int, default=None,
                         help="audit events of the large table for the admin pages "
