@@ -37,32 +37,42 @@ NOW = "(CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) * 10
 
 # A free row granted: ``owner = ''`` means nobody's lease is taken over (took_over "").
 _GRANT_FREE = (
-    f"UPDATE {TABLE} SET token = token + 1, owner = %s, holder = %s, acquired_us = {NOW}, "
-    f"renewed_us = NULL, expires_us = {NOW} + %s, renew_count = 0 "
+    f"UPDATE {TABLE} SET token = token + 1, owner = %s, holder = %s, acquired_us = {{now}}, "
+    f"renewed_us = NULL, expires_us = {{now}} + %s, renew_count = 0 "
     "WHERE name = %s AND owner = '' AND token < %s RETURNING token, acquired_us, expires_us"
 )
 # What a refused try reports, read without the write lock: true at the instant of the read.
-_PEEK = f"SELECT token, owner, holder, expires_us, {NOW} FROM {TABLE} WHERE name = %s"
+_PEEK = f"SELECT token, owner, holder, expires_us, {{now}} FROM {TABLE} WHERE name = %s"
 # A first use: one above the token floor, read in the same statement (so under its write
 # lock). Nothing returned: the row exists, or the floor row is missing, or it is exhausted.
 _CREATE = (
     f"INSERT INTO {TABLE} (name, token, owner, holder, acquired_us, renewed_us, expires_us, "
-    f"renew_count) SELECT %s, token + 1, %s, %s, {NOW}, NULL, {NOW} + %s, 0 "
+    f"renew_count) SELECT %s, token + 1, %s, %s, {{now}}, NULL, {{now}} + %s, 0 "
     f"FROM {FLOOR_TABLE} WHERE id = %s AND token < %s "
     "ON CONFLICT (name) DO NOTHING RETURNING token, acquired_us, expires_us"
 )
+_OWNER_CHECK = (
+    f"EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s AND owner = %s AND token = %s "
+    "AND expires_us > {now})"
+)
 _RENEW = (
-    f"UPDATE {TABLE} SET renewed_us = {NOW}, expires_us = {NOW} + %s, "
+    f"UPDATE {TABLE} SET renewed_us = {{now}}, expires_us = {{now}} + %s, "
     "renew_count = renew_count + 1 "
-    f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {NOW} "
+    f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {{now}} "
     "RETURNING token, renewed_us, expires_us"
 )
 # Only an unexpired lease: then "was it still held" is yes without reading the old expiry.
 _RELEASE = (
-    f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {NOW} "
-    f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {NOW} "
+    f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {{now}} "
+    f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {{now}} "
     "RETURNING expires_us"
 )
+
+
+@functools.lru_cache(maxsize=64)
+def _render(template: str, now: str) -> str:
+    """A statement above with the clock (``now_sql()``, which tests may pin) put in."""
+    return template.replace("{now}", now)
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,13 +136,15 @@ class SQLite(Backend):
     # Inside a fenced UPDATE in autocommit: the statement takes the file's write lock when
     # it starts, so nobody can change the lock row before it commits, and its clock is read
     # after that (tests/test_fencing.py).
-    folded_owner_check_sql = (
-        f"EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s AND owner = %s AND token = %s "
-        f"AND expires_us > {NOW})"
-    )
+    @property
+    def folded_owner_check_sql(self) -> str:  # type: ignore[override]
+        return _render(_OWNER_CHECK, self.now_sql())
 
     def now_sql(self) -> str:
         return NOW
+
+    def sql(self, template: str) -> str:
+        return _render(template, self.now_sql())
 
     def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
         """The lean cursor, but only when nobody watches this connection's queries:
@@ -174,11 +186,11 @@ class SQLite(Backend):
         expired one taken over (its holder reported) in a transaction."""
         if not self.has_update_returning:
             return self.immediate(cursor, super().acquire_existing, name, owner, holder, ttl_us)
-        cursor.execute(_GRANT_FREE, [owner, holder, ttl_us, name, MAX_TOKEN])
+        cursor.execute(self.sql(_GRANT_FREE), [owner, holder, ttl_us, name, MAX_TOKEN])
         row = cursor.fetchone()
         if row is not None:
             return Grant(*row)
-        cursor.execute(_PEEK, [name])
+        cursor.execute(self.sql(_PEEK), [name])
         row = cursor.fetchone()
         if row is None:
             return None
@@ -194,7 +206,7 @@ class SQLite(Backend):
         """One INSERT … SELECT from the token floor; the portable steps when it inserts
         nothing (the row exists, the floor row is missing, or the tokens ran out)."""
         if self.has_update_returning:
-            cursor.execute(_CREATE, [name, owner, holder, ttl_us, FLOOR_ID, MAX_TOKEN])
+            cursor.execute(self.sql(_CREATE), [name, owner, holder, ttl_us, FLOOR_ID, MAX_TOKEN])
             row = cursor.fetchone()
             if row is not None:
                 return Grant(*row)
@@ -206,7 +218,7 @@ class SQLite(Backend):
         """One statement; a refusal's reason from the portable steps (which renew after
         all if the lease was renewed meanwhile by another thread of its holder)."""
         if self.has_update_returning:
-            cursor.execute(_RENEW, [ttl_us, name, owner, token])
+            cursor.execute(self.sql(_RENEW), [ttl_us, name, owner, token])
             row = cursor.fetchone()
             if row is not None:
                 return Grant(*row)
@@ -218,7 +230,7 @@ class SQLite(Backend):
         """One statement for an unexpired lease; otherwise the portable steps (an expired
         lease nobody took over is still cleared, and reported as not held)."""
         if self.has_update_returning:
-            cursor.execute(_RELEASE, [name, owner, token])
+            cursor.execute(self.sql(_RELEASE), [name, owner, token])
             row = cursor.fetchone()
             if row is not None:
                 return True, int(row[0])
