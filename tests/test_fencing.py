@@ -370,7 +370,8 @@ def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
 
 
 @pytest.mark.skipif(
-    "connection.vendor != 'postgresql'", reason="the one-statement form is PostgreSQL's"
+    "connection.vendor not in ('postgresql', 'sqlite')",
+    reason="the one-statement form is PostgreSQL's and SQLite's",
 )
 def test_one_statement_fenced_update_guards_every_row_unless_one_is_pinned():
     """All or nothing in one statement: a filter that pins a unique column (pk=...) matches
