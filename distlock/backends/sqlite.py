@@ -153,6 +153,9 @@ class SQLite(Backend):
         if connection.queries_logged or connection.execute_wrappers:
             return connection.cursor()
         connection.validate_thread_sharing()
+        # db.run() may just have closed a broken connection: open it again, as Django's
+        # cursor() would.
+        connection.ensure_connection()
         cursor: _LeanCursor | None = getattr(connection, "_distlock_cursor", None)
         if cursor is None or cursor.raw is not connection.connection:
             cursor = connection._distlock_cursor = _LeanCursor(connection)  # type: ignore[attr-defined]
