@@ -57,6 +57,25 @@ def same_database(alias: str, other: str) -> bool:
     return same_settings(connections[alias].settings_dict, connections[other].settings_dict)
 
 
+def _namesakes(connection: BaseDatabaseWrapper) -> tuple[str, ...]:
+    """The other aliases whose DATABASES entry has the same NAME as ``connection``'s: the
+    only ones whose transaction can hold a single-writer database's write lock.
+
+    Found once per connection object (Django makes new ones when DATABASES changes), so
+    that with one alias per database — the usual case — a lock operation does not look
+    through every connection of the thread each time.
+    """
+    found: tuple[str, ...] | None = getattr(connection, "_distlock_namesakes", None)
+    if found is None:
+        name = connection.settings_dict.get("NAME")
+        found = tuple(
+            other for other in connections
+            if other != connection.alias and connections[other].settings_dict.get("NAME") == name
+        )
+        connection._distlock_namesakes = found  # type: ignore[attr-defined]
+    return found
+
+
 def refuse_atomic(connection: BaseDatabaseWrapper, backend: Backend | None = None) -> None:
     """Raise TransactionNotAllowed if a lock operation on this connection could not commit
     on its own: inside atomic(), or with autocommit off (set_autocommit(False)).
@@ -67,7 +86,7 @@ def refuse_atomic(connection: BaseDatabaseWrapper, backend: Backend | None = Non
     """
     alias = connection.alias
     backend = backend or backend_for(connection)
-    if backend.single_writer and not in_transaction(connection):
+    if backend.single_writer and _namesakes(connection) and not in_transaction(connection):
         for other in connections.all(initialized_only=True):
             if other.alias != alias and in_transaction(other):
                 backend.refuse_shared_writer(connection, other)

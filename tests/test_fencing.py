@@ -370,7 +370,8 @@ def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
 
 
 @pytest.mark.skipif(
-    "connection.vendor != 'postgresql'", reason="the one-statement form is PostgreSQL's"
+    "connection.vendor not in ('postgresql', 'sqlite')",
+    reason="the one-statement form is PostgreSQL's and SQLite's",
 )
 def test_one_statement_fenced_update_guards_every_row_unless_one_is_pinned():
     """All or nothing in one statement: a filter that pins a unique column (pk=...) matches
@@ -845,9 +846,9 @@ def _function_body(name: str) -> str:
 def test_captured_sql_is_a_locking_check_then_one_conditional_write():
     """No read of the data row decides anything: the UPDATE's WHERE does.
 
-    On PostgreSQL (in autocommit) save and fenced_update are a single statement, the
-    locking check folded into the UPDATE's WHERE; elsewhere the check is a statement of
-    its own in the write's transaction.
+    On PostgreSQL and SQLite (in autocommit) save and fenced_update are a single
+    statement, the locking check folded into the UPDATE's WHERE; elsewhere the check is a
+    statement of its own in the write's transaction.
     """
     account = AccountFactory()
     pk = account.pk
@@ -876,6 +877,12 @@ def test_captured_sql_is_a_locking_check_then_one_conditional_write():
             assert "FROM distlock_lock" in check and share in check, what
             assert "p_owner" in check and "l.token = p_token" in check, what
             assert "l.expires_us > CAST(EXTRACT(EPOCH FROM clock_timestamp())" in check, what
+        elif vendor == "sqlite" and what in ("save", "fenced_update"):
+            # One statement: its write lock, taken as it starts, covers the check in it.
+            assert len(captured) == 1, (what, [q["sql"] for q in captured])
+            (update,) = _statements(captured)
+            check = update.split("EXISTS (SELECT 1 FROM distlock_lock", 1)[1]
+            assert lease.owner in check and f"token = {lease.token}" in check, what
         else:
             check, update, *rest = _statements(captured)
             assert "distlock_lock" in check and check.rstrip().endswith(share), what

@@ -48,7 +48,8 @@ class Backend(TokenFloorSQL):
     share_lock: ClassVar[str] = ""
     has_update_returning: ClassVar[bool] = True
     #: Operations that are exactly one statement here: db.run() runs them in autocommit
-    #: mode, where the statement is a transaction by itself, without BEGIN and COMMIT.
+    #: mode, where the statement is a transaction by itself, without BEGIN and COMMIT
+    #: (SQLite's open a BEGIN IMMEDIATE transaction themselves when they need more).
     one_statement: ClassVar[frozenset[str]] = frozenset({"holds"})
     #: The database has one writer at a time (per file), whatever the connection.
     single_writer: ClassVar[bool] = False

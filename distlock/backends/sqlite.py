@@ -1,16 +1,121 @@
-"""SQLite: one writer per file, so the IMMEDIATE transaction is the lock on every row."""
+"""SQLite: one writer per file, so the write lock of a statement is the lock on every row.
+
+Grant, renewal and release are one autocommit statement each in the common case — an
+``UPDATE … RETURNING`` (SQLite 3.35+) whose write lock is taken when it starts, before
+``julianday('now')`` is read — sent through the raw sqlite3 cursor when nothing watches
+the connection's queries (:class:`_LeanCursor`). What needs more than one statement (an
+expired lease taken over, a refusal's reason, an old SQLite without RETURNING) runs the
+portable steps of :class:`~distlock.backends.base.Backend` in a ``BEGIN IMMEDIATE``
+transaction of its own (:meth:`SQLite.immediate`), not through Django's ``atomic()``.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+import sqlite3
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 from django.core.checks import CheckMessage, Error
+from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
-from distlock.backends.results import FAIL, OK, WARN
+from distlock.backends.results import FAIL, OK, WARN, Busy, Grant
+from distlock.constants import FLOOR_ID, FLOOR_TABLE, MAX_TOKEN
+from distlock.constants import LOCK_TABLE as TABLE
 from distlock.exceptions import TransactionNotAllowed
 from distlock.validation import positive_seconds
+
+T = TypeVar("T")
+
+# julianday('now') has millisecond precision; rounding back to whole milliseconds is
+# exact, so the result is a true epoch millisecond times 1000. SQLite reads the clock once
+# per statement, at its first use: after the statement's write lock is held.
+NOW = "(CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) * 1000)"
+
+# A free row granted: ``owner = ''`` means nobody's lease is taken over (took_over "").
+_GRANT_FREE = (
+    f"UPDATE {TABLE} SET token = token + 1, owner = %s, holder = %s, acquired_us = {{now}}, "
+    f"renewed_us = NULL, expires_us = {{now}} + %s, renew_count = 0 "
+    "WHERE name = %s AND owner = '' AND token < %s RETURNING token, acquired_us, expires_us"
+)
+# What a refused try reports, read without the write lock: true at the instant of the read.
+_PEEK = f"SELECT token, owner, holder, expires_us, {{now}} FROM {TABLE} WHERE name = %s"
+# A first use: one above the token floor, read in the same statement (so under its write
+# lock). Nothing returned: the row exists, or the floor row is missing, or it is exhausted.
+_CREATE = (
+    f"INSERT INTO {TABLE} (name, token, owner, holder, acquired_us, renewed_us, expires_us, "
+    f"renew_count) SELECT %s, token + 1, %s, %s, {{now}}, NULL, {{now}} + %s, 0 "
+    f"FROM {FLOOR_TABLE} WHERE id = %s AND token < %s "
+    "ON CONFLICT (name) DO NOTHING RETURNING token, acquired_us, expires_us"
+)
+_OWNER_CHECK = (
+    f"EXISTS (SELECT 1 FROM {TABLE} WHERE name = %s AND owner = %s AND token = %s "
+    "AND expires_us > {now})"
+)
+_RENEW = (
+    f"UPDATE {TABLE} SET renewed_us = {{now}}, expires_us = {{now}} + %s, "
+    "renew_count = renew_count + 1 "
+    f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {{now}} "
+    "RETURNING token, renewed_us, expires_us"
+)
+# Only an unexpired lease: then "was it still held" is yes without reading the old expiry.
+_RELEASE = (
+    f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {{now}} "
+    f"WHERE name = %s AND owner = %s AND token = %s AND expires_us > {{now}} "
+    "RETURNING expires_us"
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _render(template: str, now: str) -> str:
+    """A statement above with the clock (``now_sql()``, which tests may pin) put in."""
+    return template.replace("{now}", now)
+
+
+@functools.lru_cache(maxsize=64)
+def _qmark(sql: str) -> str:
+    # distlock's statements have no literal %: only their placeholders change.
+    return sql.replace("%s", "?")
+
+
+class _LeanCursor:
+    """The raw sqlite3 cursor with Django's error wrapping, for distlock's own statements.
+
+    Django's cursor wrapper rewrites every query's placeholders with a regex and goes
+    through its debug and wrapper layers; for a lock operation that is a few short
+    statements this is a measurable part of the cost (see docs/performance.md).
+    """
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        self.connection = connection
+        self.raw = connection.connection
+        self.cursor = self.raw.cursor()
+
+    def execute(self, sql: str, params: Any = ()) -> None:
+        with self.connection.wrap_database_errors:
+            self.cursor.execute(_qmark(sql), params)
+
+    def fetchone(self) -> Any:
+        with self.connection.wrap_database_errors:
+            return self.cursor.fetchone()
+
+    def fetchall(self) -> Any:
+        with self.connection.wrap_database_errors:
+            return self.cursor.fetchall()
+
+    @property
+    def rowcount(self) -> int:
+        return int(self.cursor.rowcount)
+
+    def __enter__(self) -> _LeanCursor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Kept open: the next operation on this connection reuses it (statement_cursor).
+        pass
 
 
 class SQLite(Backend):
@@ -21,11 +126,118 @@ class SQLite(Backend):
     # write's transaction holds the whole file).
     for_update = ""
     single_writer = True
+    # UPDATE … RETURNING came with SQLite 3.35; Django supports SQLite from 3.31.
+    has_update_returning = sqlite3.sqlite_version_info >= (3, 35)
+    #: db.run() calls these in autocommit mode: each is one statement, or opens the
+    #: BEGIN IMMEDIATE transaction it needs itself (:meth:`immediate`).
+    one_statement: ClassVar[frozenset[str]] = frozenset(
+        {"acquire_existing", "acquire_new", "renew", "release", "holds", "expire"}
+    )
+    # Inside a fenced UPDATE in autocommit: the statement takes the file's write lock when
+    # it starts, so nobody can change the lock row before it commits, and its clock is read
+    # after that (tests/test_fencing.py).
+    @property
+    def folded_owner_check_sql(self) -> str:  # type: ignore[override]
+        return _render(_OWNER_CHECK, self.now_sql())
 
     def now_sql(self) -> str:
-        # julianday('now') has millisecond precision; rounding back to whole milliseconds
-        # is exact, so the result is a true epoch millisecond times 1000.
-        return "(CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) * 1000)"
+        return NOW
+
+    def sql(self, template: str) -> str:
+        return _render(template, self.now_sql())
+
+    def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
+        """The lean cursor, but only when nobody watches this connection's queries:
+        Django's debug query log (DEBUG, assertNumQueries) and execute_wrappers see every
+        statement through Django's own cursor, as on PostgreSQL."""
+        if connection.queries_logged or connection.execute_wrappers:
+            return connection.cursor()
+        connection.validate_thread_sharing()
+        # db.run() may just have closed a broken connection: open it again, as Django's
+        # cursor() would.
+        connection.ensure_connection()
+        cursor: _LeanCursor | None = getattr(connection, "_distlock_cursor", None)
+        if cursor is None or cursor.raw is not connection.connection:
+            cursor = connection._distlock_cursor = _LeanCursor(connection)  # type: ignore[attr-defined]
+        return cursor
+
+    def immediate(self, cursor: Any, step: Callable[..., T], *args: Any) -> T:
+        """``step(cursor, *args)`` in a ``BEGIN IMMEDIATE`` transaction, committed.
+
+        BEGIN IMMEDIATE takes the file's write lock first (waiting up to the busy
+        timeout), so every statement of the step — and its clock — comes after it. Not
+        Django's atomic(): db.run() has already refused a caller's transaction, and the
+        step is SQL only, so there is nothing for a savepoint to keep.
+        """
+        cursor.execute("BEGIN IMMEDIATE", ())
+        try:
+            result = step(cursor, *args)
+            cursor.execute("COMMIT", ())
+        except BaseException:
+            # A failed COMMIT (busy) leaves the transaction open; a failed BEGIN has none.
+            with contextlib.suppress(DatabaseError):
+                cursor.execute("ROLLBACK", ())
+            raise
+        return result
+
+    # -- the lock operations: one statement each where SQLite allows -------------------
+
+    def acquire_existing(
+        self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Grant | Busy | None:
+        """A free row in one statement; a held one refused from one plain read; an
+        expired one taken over (its holder reported) in a transaction."""
+        if not self.has_update_returning:
+            return self.immediate(cursor, super().acquire_existing, name, owner, holder, ttl_us)
+        cursor.execute(self.sql(_GRANT_FREE), [owner, holder, ttl_us, name, MAX_TOKEN])
+        row = cursor.fetchone()
+        if row is not None:
+            return Grant(*row)
+        cursor.execute(self.sql(_PEEK), [name])
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        token, current_owner, current_holder, expires_us, now_us = row
+        if current_owner and expires_us > now_us and token < MAX_TOKEN:
+            return Busy(token, current_holder, expires_us - now_us)
+        # Expired (a take-over, whose holder is reported), exhausted, or freed since.
+        return self.immediate(cursor, super().acquire_existing, name, owner, holder, ttl_us)
+
+    def acquire_new(
+        self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Grant | None:
+        """One INSERT … SELECT from the token floor; the portable steps when it inserts
+        nothing (the row exists, the floor row is missing, or the tokens ran out)."""
+        if self.has_update_returning:
+            cursor.execute(self.sql(_CREATE), [name, owner, holder, ttl_us, FLOOR_ID, MAX_TOKEN])
+            row = cursor.fetchone()
+            if row is not None:
+                return Grant(*row)
+        return self.immediate(cursor, super().acquire_new, name, owner, holder, ttl_us)
+
+    def renew(
+        self, cursor: Any, name: str, owner: str, token: int, ttl_us: int
+    ) -> Grant | str:
+        """One statement; a refusal's reason from the portable steps (which renew after
+        all if the lease was renewed meanwhile by another thread of its holder)."""
+        if self.has_update_returning:
+            cursor.execute(self.sql(_RENEW), [ttl_us, name, owner, token])
+            row = cursor.fetchone()
+            if row is not None:
+                return Grant(*row)
+        return self.immediate(cursor, super().renew, name, owner, token, ttl_us)
+
+    def release(
+        self, cursor: Any, name: str, owner: str, token: int
+    ) -> tuple[bool, int | None]:
+        """One statement for an unexpired lease; otherwise the portable steps (an expired
+        lease nobody took over is still cleared, and reported as not held)."""
+        if self.has_update_returning:
+            cursor.execute(self.sql(_RELEASE), [name, owner, token])
+            row = cursor.fetchone()
+            if row is not None:
+                return True, int(row[0])
+        return self.immediate(cursor, super().release, name, owner, token)
 
     def join_manual_transaction(self, connection: BaseDatabaseWrapper) -> None:
         """With autocommit off: open the caller's transaction before a savepoint would.
