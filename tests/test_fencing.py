@@ -370,7 +370,8 @@ def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
 
 
 @pytest.mark.skipif(
-    "connection.vendor != 'postgresql'", reason="the one-statement form is PostgreSQL's"
+    "connection.vendor == 'sqlite'",
+    reason="the one-statement form is PostgreSQL's and MariaDB's",
 )
 def test_one_statement_fenced_update_guards_every_row_unless_one_is_pinned():
     """All or nothing in one statement: a filter that pins a unique column (pk=...) matches
@@ -386,7 +387,8 @@ def test_one_statement_fenced_update_guards_every_row_unless_one_is_pinned():
 
     pinned = sql_of(Account.objects.filter(pk=first.pk, balance=first.balance), note="a")
     assert "NOT EXISTS" not in pinned
-    assert pinned.count(f'"id" = {first.pk}') == 1  # the lock name's condition is the filter's
+    # The lock name's condition is the filter's.
+    assert pinned.count(f"{connection.ops.quote_name('id')} = {first.pk}") == 1
     either = Account.objects.filter(pk=first.pk) | Account.objects.filter(pk=second.pk)
     with pytest.raises(ValueError, match="guarded by another lock"):
         either.fenced_update(lease, note="b")
@@ -845,9 +847,9 @@ def _function_body(name: str) -> str:
 def test_captured_sql_is_a_locking_check_then_one_conditional_write():
     """No read of the data row decides anything: the UPDATE's WHERE does.
 
-    On PostgreSQL (in autocommit) save and fenced_update are a single statement, the
-    locking check folded into the UPDATE's WHERE; elsewhere the check is a statement of
-    its own in the write's transaction.
+    On PostgreSQL and MariaDB (in autocommit) save and fenced_update are a single
+    statement, the locking check folded into the UPDATE's WHERE; elsewhere the check is a
+    statement of its own in the write's transaction.
     """
     account = AccountFactory()
     pk = account.pk
@@ -876,6 +878,14 @@ def test_captured_sql_is_a_locking_check_then_one_conditional_write():
             assert "FROM distlock_lock" in check and share in check, what
             assert "p_owner" in check and "l.token = p_token" in check, what
             assert "l.expires_us > CAST(EXTRACT(EPOCH FROM clock_timestamp())" in check, what
+        elif vendor == "mysql" and what in ("save", "fenced_update"):
+            # MariaDB: the check is an EXISTS sub-select of the UPDATE, a locking read.
+            assert len(captured) == 1, (what, [q["sql"] for q in captured])
+            (update,) = _statements(captured)
+            check = update.split("EXISTS (SELECT 1 FROM distlock_lock", 1)[1]
+            check = check.split(f"{share})", 1)[0] + share
+            assert f"owner = CAST('{lease.owner}' AS BINARY)" in check, what
+            assert f"token = {lease.token}" in check, what
         else:
             check, update, *rest = _statements(captured)
             assert "distlock_lock" in check and check.rstrip().endswith(share), what

@@ -1,22 +1,36 @@
-"""MariaDB and MySQL: the portable operations, plus exact names and InnoDB's errors."""
+"""MariaDB and MySQL: stored procedures for the lock operations, the fenced write's check
+folded into its UPDATE, exact names and InnoDB's errors.
+
+Acquire, renew and release are one ``CALL`` each, in autocommit mode: the procedures of
+migration 0006 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, written
+here in :func:`procedures_sql`) run the portable steps of :mod:`distlock.backends.base`
+on the server — ``START TRANSACTION``, the ``FOR UPDATE`` read, the clock read after it,
+the conditional UPDATE, ``COMMIT`` — and answer with one row. An error rolls the
+procedure's transaction back and is raised again (RESIGNAL) with its own code, so a
+deadlock (1213) is retried by db.run() and a lock-wait timeout (1205) still means busy.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage, Warning
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
-from distlock.backends.results import FAIL, OK, WARN
-from distlock.constants import LOCK_TABLE, OWNED_INDEX
+from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
+from distlock.constants import FLOOR_ID, FLOOR_TABLE, LOCK_TABLE, MAX_TOKEN, OWNED_INDEX
 
 # Deadlock (1213) and "record has changed since last read" (1020) roll the transaction
 # back: safe to run it again.
 _RETRY_CODES = {1213, 1020}
 # A row-lock wait ended by innodb_lock_wait_timeout.
 _LOCK_WAIT_CODES = {1205}
+
+# SYSDATE() is real time; NOW() is fixed at statement start. UNIX_TIMESTAMP reads its
+# argument in the session time zone, which is also SYSDATE's, so the pair is exact.
+NOW_US = "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)"
 
 
 def exact_collation(collation: str) -> bool:
@@ -37,11 +51,29 @@ class MySQL(Backend):
     # MariaDB and MySQL have no UPDATE … RETURNING.
     has_update_returning = False
 
+    one_statement: ClassVar[frozenset[str]] = frozenset(
+        {"acquire_existing", "renew", "release", "holds"}
+    )
+    # The fenced write's ownership check in its UPDATE's WHERE (params: name, owner,
+    # token). LOCK IN SHARE MODE makes the sub-select a locking read of the latest row,
+    # held to the commit, in every isolation level; without it READ COMMITTED (Django's
+    # default) reads a snapshot and takes no lock, and a take-over would not wait.
+    # Owners compare as bytes: the column's collation may fold case.
+    # (Built by folded_owner_check() from now_sql().)
+
     def now_sql(self) -> str:
-        # SYSDATE() is real time; NOW() is fixed at statement start. UNIX_TIMESTAMP reads
-        # its argument in the session time zone, which is also SYSDATE's, so the pair is
-        # exact.
-        return "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)"
+        return NOW_US
+
+    def folded_owner_check(self, connection: BaseDatabaseWrapper) -> str | None:
+        # A many-row write's all-or-none condition reads the table it writes, which
+        # MariaDB allows (10.3.2+) and MySQL refuses (error 1093): MySQL keeps the
+        # separate locking read.
+        if not _is_mariadb(connection):
+            return None
+        return (
+            f"EXISTS (SELECT 1 FROM {LOCK_TABLE} WHERE name = %s AND owner = CAST(%s AS "
+            f"BINARY) AND token = %s AND expires_us > {self.now_sql()} LOCK IN SHARE MODE)"
+        )
 
     def insert_if_absent(
         self, table: str, columns: str, values: str, *, key: str = "name"
@@ -128,6 +160,56 @@ class MySQL(Backend):
             id="distlock.W002",
         )]
 
+    # -- the lock operations: stored procedures (migration 0006) ---------------------------
+
+    # Each procedure runs its own START TRANSACTION, which would commit a transaction the
+    # cursor's connection has open: there (never from db.run, which refuses to run inside
+    # one) the portable steps run instead, inside it.
+
+    def acquire_existing(
+        self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Grant | Busy | None:
+        """``distlock_acquire`` also creates a missing row (so it never returns None)."""
+        if not _autocommit(cursor):
+            return super().acquire_existing(cursor, name, owner, holder, ttl_us)
+        status, token, acquired_us, expires_us, other, remaining_us = _call(
+            cursor, "CALL distlock_acquire(%s, %s, %s, %s, %s)",
+            [name, owner, holder, ttl_us, MAX_TOKEN],
+        )
+        if status == "granted":
+            return Grant(token, acquired_us, expires_us, took_over=other)
+        if status == "busy":
+            return Busy(token, other, remaining_us)
+        raise exhausted(name if status == "exhausted" else None)
+
+    def renew(
+        self, cursor: Any, name: str, owner: str, token: int, ttl_us: int
+    ) -> Grant | str:
+        if not _autocommit(cursor):
+            return super().renew(cursor, name, owner, token, ttl_us)
+        status, renewed_us, expires_us = _call(
+            cursor, "CALL distlock_renew(%s, %s, %s, %s)", [name, owner, token, ttl_us]
+        )
+        if status != "renewed":
+            return RENEW_REFUSED[status]
+        return Grant(token, renewed_us, expires_us)
+
+    def release(
+        self, cursor: Any, name: str, owner: str, token: int
+    ) -> tuple[bool, int | None]:
+        if not _autocommit(cursor):
+            return super().release(cursor, name, owner, token)
+        held, released_us = _call(
+            cursor, "CALL distlock_release(%s, %s, %s)", [name, owner, token]
+        )
+        return bool(held), released_us
+
+    def install_procedures(self, schema_editor: Any, install: bool) -> None:
+        """Create (``install``) or drop the procedures (migration 0006)."""
+        collation = self.name_collation(schema_editor.connection)
+        for sql in procedures_sql(collation or "utf8mb4_nopad_bin") if install else DROP:
+            schema_editor.execute(sql, params=None)  # None: no placeholders in routines
+
     def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
         collation = self.name_collation(connection)
         with connection.cursor() as cursor:
@@ -150,6 +232,165 @@ class MySQL(Backend):
         found.append((level, f"session isolation level is {isolation} (lock operations use "
                              "locking reads, which see the latest committed row)"))
         return found
+
+
+# -- the procedures of migration 0006 -----------------------------------------------------
+#
+# Owners are VARBINARY: they compare byte for byte, whatever the owner column's collation.
+# Each error handler rolls back the procedure's own transaction and raises the error again
+# with its code (RESIGNAL); a missing row is the NOT FOUND condition of SELECT … INTO.
+_DECLARE = """
+    DECLARE v_found INT DEFAULT 1;
+    DECLARE v_token, v_expires, v_now, v_top BIGINT;
+    DECLARE v_owner VARBINARY(32);
+    DECLARE v_holder VARCHAR(255) CHARACTER SET utf8mb4;
+    DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_found = 0;
+    DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END;"""
+_LOCK_ROW = f"""
+        SELECT token, owner, holder, expires_us INTO v_token, v_owner, v_holder, v_expires
+          FROM {LOCK_TABLE} WHERE name = p_name FOR UPDATE;"""
+
+_ACQUIRE = f"""
+CREATE PROCEDURE distlock_acquire(
+    IN p_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {{collation}},
+    IN p_owner VARBINARY(32), IN p_holder VARCHAR(255) CHARACTER SET utf8mb4,
+    IN p_ttl_us BIGINT, IN p_max_token BIGINT)
+MODIFIES SQL DATA SQL SECURITY INVOKER
+BEGIN{_DECLARE}
+    attempt: LOOP
+        SET v_found = 1;
+        START TRANSACTION;{_LOCK_ROW}
+        IF v_found THEN
+            -- The clock is read only now that the row lock is held.
+            SET v_now = {NOW_US};
+            IF v_token >= p_max_token THEN
+                ROLLBACK;
+                SELECT 'exhausted', v_token, NULL, NULL, '', NULL;
+            ELSEIF v_owner <> '' AND v_expires > v_now THEN
+                COMMIT;
+                SELECT 'busy', v_token, NULL, NULL, v_holder, v_expires - v_now;
+            ELSE
+                UPDATE {LOCK_TABLE} SET token = v_token + 1, owner = p_owner,
+                       holder = p_holder, acquired_us = v_now, renewed_us = NULL,
+                       expires_us = v_now + p_ttl_us, renew_count = 0
+                 WHERE name = p_name;
+                COMMIT;
+                SELECT 'granted', v_token + 1, v_now, v_now + p_ttl_us,
+                       IF(v_owner <> '', v_holder, ''), NULL;
+            END IF;
+            LEAVE attempt;
+        END IF;
+        -- First use of the name, in a transaction of its own: the locking read of a
+        -- missing key may take a gap lock, and inserting under it deadlocks with another
+        -- first user. The new row starts one above the token floor, read under a share
+        -- lock held to the commit (see Backend.acquire_new).
+        COMMIT;
+        START TRANSACTION;
+        SET v_found = 1;
+        SELECT token INTO v_top FROM {FLOOR_TABLE} WHERE id = {FLOOR_ID} LOCK IN SHARE MODE;
+        IF NOT v_found THEN
+            INSERT IGNORE INTO {FLOOR_TABLE} (id, token)
+            VALUES ({FLOOR_ID}, (SELECT COALESCE(MAX(token), 0) FROM {LOCK_TABLE}));
+            SELECT token INTO v_top FROM {FLOOR_TABLE} WHERE id = {FLOOR_ID} LOCK IN SHARE MODE;
+        END IF;
+        IF v_top >= p_max_token THEN
+            ROLLBACK;
+            SELECT 'exhausted_table', v_top, NULL, NULL, '', NULL;
+            LEAVE attempt;
+        END IF;
+        SET v_now = {NOW_US};
+        INSERT IGNORE INTO {LOCK_TABLE}
+               (name, token, owner, holder, acquired_us, renewed_us, expires_us, renew_count)
+        VALUES (p_name, v_top + 1, p_owner, p_holder, v_now, NULL, v_now + p_ttl_us, 0);
+        IF ROW_COUNT() = 1 THEN
+            COMMIT;
+            SELECT 'granted', v_top + 1, v_now, v_now + p_ttl_us, '', NULL;
+            LEAVE attempt;
+        END IF;
+        -- Another session created the row first: go round, it exists now.
+        COMMIT;
+    END LOOP;
+END"""
+
+_RENEW = f"""
+CREATE PROCEDURE distlock_renew(
+    IN p_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {{collation}},
+    IN p_owner VARBINARY(32), IN p_token BIGINT, IN p_ttl_us BIGINT)
+MODIFIES SQL DATA SQL SECURITY INVOKER
+BEGIN{_DECLARE}
+    START TRANSACTION;{_LOCK_ROW.replace("        ", "    ")}
+    SET v_now = {NOW_US};
+    IF NOT v_found THEN
+        COMMIT;
+        SELECT 'missing', NULL, NULL;
+    ELSEIF v_owner <> p_owner OR v_token <> p_token THEN
+        COMMIT;
+        SELECT 'changed', NULL, NULL;
+    ELSEIF v_expires <= v_now THEN
+        COMMIT;
+        SELECT 'expired', NULL, NULL;
+    ELSE
+        UPDATE {LOCK_TABLE} SET renewed_us = v_now, expires_us = v_now + p_ttl_us,
+               renew_count = renew_count + 1
+         WHERE name = p_name;
+        COMMIT;
+        SELECT 'renewed', v_now, v_now + p_ttl_us;
+    END IF;
+END"""
+
+_RELEASE = f"""
+CREATE PROCEDURE distlock_release(
+    IN p_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {{collation}},
+    IN p_owner VARBINARY(32), IN p_token BIGINT)
+MODIFIES SQL DATA SQL SECURITY INVOKER
+BEGIN{_DECLARE}
+    START TRANSACTION;{_LOCK_ROW.replace("        ", "    ")}
+    IF NOT v_found OR v_owner <> p_owner OR v_token <> p_token THEN
+        COMMIT;
+        SELECT 0, NULL;
+    ELSE
+        SET v_now = {NOW_US};
+        UPDATE {LOCK_TABLE} SET owner = '', holder = '', expires_us = v_now
+         WHERE name = p_name;
+        COMMIT;
+        SELECT v_expires > v_now, v_now;
+    END IF;
+END"""
+
+PROCEDURES = ("distlock_acquire", "distlock_renew", "distlock_release")
+DROP = tuple(f"DROP PROCEDURE IF EXISTS {name}" for name in PROCEDURES)
+
+
+def procedures_sql(collation: str) -> list[str]:
+    """The statements that (re)create the procedures. ``collation`` is the lock table's
+    name column's: a parameter of another collation could not use its primary key."""
+    if not collation.replace("_", "").isalnum():
+        raise ValueError(f"not a collation name: {collation!r}")
+    return [*DROP, *(sql.format(collation=collation) for sql in (_ACQUIRE, _RENEW, _RELEASE))]
+
+
+def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
+    return bool(getattr(connection, "mysql_is_mariadb", False))
+
+
+def _autocommit(cursor: Any) -> bool:
+    """Is the (Django) cursor's connection in autocommit mode, outside atomic()?"""
+    connection = getattr(cursor, "db", None)
+    return (
+        connection is not None and not connection.in_atomic_block
+        and connection.get_autocommit()
+    )
+
+
+def _call(cursor: Any, sql: str, params: list[Any]) -> Any:
+    """Run a ``CALL`` and return its one row. A CALL answers with the row's result set and
+    then its own status: both are read here, or the connection's next statement fails
+    with "commands out of sync"."""
+    cursor.execute(sql, params)
+    row = cursor.fetchone()
+    while cursor.nextset():
+        pass
+    return row
 
 
 BACKEND = MySQL
