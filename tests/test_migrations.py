@@ -197,7 +197,7 @@ def procedures() -> set[str]:
     "connection.vendor != 'mysql'", reason="MariaDB/MySQL only: stored procedures of 0006"
 )
 def test_mysql_procedures_come_and_go_with_0006(migrated_back: None) -> None:
-    from distlock.backends.mysql import PROCEDURES
+    from distlock.backends.mysql_procedures import PROCEDURES
 
     assert procedures() == set(PROCEDURES)
     call_command("migrate", "distlock", "0005", verbosity=0)

@@ -2,9 +2,9 @@
 folded into its UPDATE, exact names and InnoDB's errors.
 
 Acquire, renew and release are one ``CALL`` each, in autocommit mode: the procedures of
-migration 0006 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, written
-here in :func:`procedures_sql`) run the portable steps of :mod:`distlock.backends.base`
-on the server — ``START TRANSACTION``, the ``FOR UPDATE`` read, the clock read after it,
+migration 0006 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, in
+:mod:`distlock.backends.mysql_procedures`) run the portable steps of
+:mod:`distlock.backends.base` on the server — ``START TRANSACTION``, the ``FOR UPDATE`` read, the clock read after it,
 the conditional UPDATE, ``COMMIT`` — and answer with one row. An error rolls the
 procedure's transaction back and is raised again (RESIGNAL) with its own code, so a
 deadlock (1213) is retried by db.run() and a lock-wait timeout (1205) still means busy.
@@ -19,18 +19,15 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
+from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
-from distlock.constants import FLOOR_ID, FLOOR_TABLE, LOCK_TABLE, MAX_TOKEN, OWNED_INDEX
+from distlock.constants import LOCK_TABLE, MAX_TOKEN, OWNED_INDEX
 
 # Deadlock (1213) and "record has changed since last read" (1020) roll the transaction
 # back: safe to run it again.
 _RETRY_CODES = {1213, 1020}
 # A row-lock wait ended by innodb_lock_wait_timeout.
 _LOCK_WAIT_CODES = {1205}
-
-# SYSDATE() is real time; NOW() is fixed at statement start. UNIX_TIMESTAMP reads its
-# argument in the session time zone, which is also SYSDATE's, so the pair is exact.
-NOW_US = "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)"
 
 
 def exact_collation(collation: str) -> bool:
@@ -160,6 +157,18 @@ class MySQL(Backend):
             id="distlock.W002",
         )]
 
+    def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
+        """mysqlclient's own cursor, kept per database session, but only when nobody
+        watches this connection's queries (DEBUG's query log, assertNumQueries,
+        execute_wrappers see every statement through Django's cursor)."""
+        if connection.queries_logged or connection.execute_wrappers:
+            return connection.cursor()
+        connection.validate_thread_sharing()
+        cursor: _RawCursor | None = getattr(connection, "_distlock_cursor", None)
+        if cursor is None or cursor.raw is not connection.connection:
+            cursor = connection._distlock_cursor = _RawCursor(connection)  # type: ignore[attr-defined]
+        return cursor
+
     # -- the lock operations: stored procedures (migration 0006) ---------------------------
 
     # Each procedure runs its own START TRANSACTION, which would commit a transaction the
@@ -234,143 +243,40 @@ class MySQL(Backend):
         return found
 
 
-# -- the procedures of migration 0006 -----------------------------------------------------
-#
-# Owners are VARBINARY: they compare byte for byte, whatever the owner column's collation.
-# Each error handler rolls back the procedure's own transaction and raises the error again
-# with its code (RESIGNAL); a missing row is the NOT FOUND condition of SELECT … INTO.
-_DECLARE = """
-    DECLARE v_found INT DEFAULT 1;
-    DECLARE v_token, v_expires, v_now, v_top BIGINT;
-    DECLARE v_owner VARBINARY(32);
-    DECLARE v_holder VARCHAR(255) CHARACTER SET utf8mb4;
-    DECLARE CONTINUE HANDLER FOR NOT FOUND SET v_found = 0;
-    DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN ROLLBACK; RESIGNAL; END;"""
-_LOCK_ROW = f"""
-        SELECT token, owner, holder, expires_us INTO v_token, v_owner, v_holder, v_expires
-          FROM {LOCK_TABLE} WHERE name = p_name FOR UPDATE;"""
-
-_ACQUIRE = f"""
-CREATE PROCEDURE distlock_acquire(
-    IN p_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {{collation}},
-    IN p_owner VARBINARY(32), IN p_holder VARCHAR(255) CHARACTER SET utf8mb4,
-    IN p_ttl_us BIGINT, IN p_max_token BIGINT)
-MODIFIES SQL DATA SQL SECURITY INVOKER
-BEGIN{_DECLARE}
-    attempt: LOOP
-        SET v_found = 1;
-        START TRANSACTION;{_LOCK_ROW}
-        IF v_found THEN
-            -- The clock is read only now that the row lock is held.
-            SET v_now = {NOW_US};
-            IF v_token >= p_max_token THEN
-                ROLLBACK;
-                SELECT 'exhausted', v_token, NULL, NULL, '', NULL;
-            ELSEIF v_owner <> '' AND v_expires > v_now THEN
-                COMMIT;
-                SELECT 'busy', v_token, NULL, NULL, v_holder, v_expires - v_now;
-            ELSE
-                UPDATE {LOCK_TABLE} SET token = v_token + 1, owner = p_owner,
-                       holder = p_holder, acquired_us = v_now, renewed_us = NULL,
-                       expires_us = v_now + p_ttl_us, renew_count = 0
-                 WHERE name = p_name;
-                COMMIT;
-                SELECT 'granted', v_token + 1, v_now, v_now + p_ttl_us,
-                       IF(v_owner <> '', v_holder, ''), NULL;
-            END IF;
-            LEAVE attempt;
-        END IF;
-        -- First use of the name, in a transaction of its own: the locking read of a
-        -- missing key may take a gap lock, and inserting under it deadlocks with another
-        -- first user. The new row starts one above the token floor, read under a share
-        -- lock held to the commit (see Backend.acquire_new).
-        COMMIT;
-        START TRANSACTION;
-        SET v_found = 1;
-        SELECT token INTO v_top FROM {FLOOR_TABLE} WHERE id = {FLOOR_ID} LOCK IN SHARE MODE;
-        IF NOT v_found THEN
-            INSERT IGNORE INTO {FLOOR_TABLE} (id, token)
-            VALUES ({FLOOR_ID}, (SELECT COALESCE(MAX(token), 0) FROM {LOCK_TABLE}));
-            SELECT token INTO v_top FROM {FLOOR_TABLE} WHERE id = {FLOOR_ID} LOCK IN SHARE MODE;
-        END IF;
-        IF v_top >= p_max_token THEN
-            ROLLBACK;
-            SELECT 'exhausted_table', v_top, NULL, NULL, '', NULL;
-            LEAVE attempt;
-        END IF;
-        SET v_now = {NOW_US};
-        INSERT IGNORE INTO {LOCK_TABLE}
-               (name, token, owner, holder, acquired_us, renewed_us, expires_us, renew_count)
-        VALUES (p_name, v_top + 1, p_owner, p_holder, v_now, NULL, v_now + p_ttl_us, 0);
-        IF ROW_COUNT() = 1 THEN
-            COMMIT;
-            SELECT 'granted', v_top + 1, v_now, v_now + p_ttl_us, '', NULL;
-            LEAVE attempt;
-        END IF;
-        -- Another session created the row first: go round, it exists now.
-        COMMIT;
-    END LOOP;
-END"""
-
-_RENEW = f"""
-CREATE PROCEDURE distlock_renew(
-    IN p_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {{collation}},
-    IN p_owner VARBINARY(32), IN p_token BIGINT, IN p_ttl_us BIGINT)
-MODIFIES SQL DATA SQL SECURITY INVOKER
-BEGIN{_DECLARE}
-    START TRANSACTION;{_LOCK_ROW.replace("        ", "    ")}
-    SET v_now = {NOW_US};
-    IF NOT v_found THEN
-        COMMIT;
-        SELECT 'missing', NULL, NULL;
-    ELSEIF v_owner <> p_owner OR v_token <> p_token THEN
-        COMMIT;
-        SELECT 'changed', NULL, NULL;
-    ELSEIF v_expires <= v_now THEN
-        COMMIT;
-        SELECT 'expired', NULL, NULL;
-    ELSE
-        UPDATE {LOCK_TABLE} SET renewed_us = v_now, expires_us = v_now + p_ttl_us,
-               renew_count = renew_count + 1
-         WHERE name = p_name;
-        COMMIT;
-        SELECT 'renewed', v_now, v_now + p_ttl_us;
-    END IF;
-END"""
-
-_RELEASE = f"""
-CREATE PROCEDURE distlock_release(
-    IN p_name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE {{collation}},
-    IN p_owner VARBINARY(32), IN p_token BIGINT)
-MODIFIES SQL DATA SQL SECURITY INVOKER
-BEGIN{_DECLARE}
-    START TRANSACTION;{_LOCK_ROW.replace("        ", "    ")}
-    IF NOT v_found OR v_owner <> p_owner OR v_token <> p_token THEN
-        COMMIT;
-        SELECT 0, NULL;
-    ELSE
-        SET v_now = {NOW_US};
-        UPDATE {LOCK_TABLE} SET owner = '', holder = '', expires_us = v_now
-         WHERE name = p_name;
-        COMMIT;
-        SELECT v_expires > v_now, v_now;
-    END IF;
-END"""
-
-PROCEDURES = ("distlock_acquire", "distlock_renew", "distlock_release")
-DROP = tuple(f"DROP PROCEDURE IF EXISTS {name}" for name in PROCEDURES)
-
-
-def procedures_sql(collation: str) -> list[str]:
-    """The statements that (re)create the procedures. ``collation`` is the lock table's
-    name column's: a parameter of another collation could not use its primary key."""
-    if not collation.replace("_", "").isalnum():
-        raise ValueError(f"not a collation name: {collation!r}")
-    return [*DROP, *(sql.format(collation=collation) for sql in (_ACQUIRE, _RENEW, _RELEASE))]
-
-
 def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
     return bool(getattr(connection, "mysql_is_mariadb", False))
+
+
+class _RawCursor:
+    """A mysqlclient cursor with Django's error wrapping, for one-statement operations.
+
+    Django's cursor is made anew for every operation and goes through two wrappers per
+    call; for an operation that is one CALL that was about a quarter of its client CPU.
+    """
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        self.db = connection
+        self.raw = connection.connection
+        self.cursor = self.raw.cursor()
+
+    def execute(self, sql: str, params: Any = None) -> None:
+        with self.db.wrap_database_errors:
+            self.cursor.execute(sql, params)
+
+    def fetchone(self) -> Any:
+        with self.db.wrap_database_errors:
+            return self.cursor.fetchone()
+
+    def nextset(self) -> Any:
+        with self.db.wrap_database_errors:
+            return self.cursor.nextset()
+
+    def __enter__(self) -> _RawCursor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Kept open for the next operation; every result was read (see _call).
+        pass
 
 
 def _autocommit(cursor: Any) -> bool:

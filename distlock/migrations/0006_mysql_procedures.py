@@ -4,7 +4,7 @@
 distlock.backends.base does from Python — a transaction of the ``FOR UPDATE`` read, the
 clock read after it, the conditional UPDATE and the commit — so each operation is one
 ``CALL`` in autocommit mode, one round trip instead of five to seven (docs/performance.md).
-Their SQL is in distlock/backends/mysql.py. Creating them needs the CREATE ROUTINE
+Their SQL is in distlock/backends/mysql_procedures.py. Creating them needs the CREATE ROUTINE
 privilege, calling them EXECUTE (the creator has it); they run with the caller's rights
 (SQL SECURITY INVOKER), so dropping the user who migrated breaks nothing. Binary logging
 needs nothing more for procedures (log_bin_trust_function_creators is for functions and
