@@ -7,7 +7,8 @@ migration 0006 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, 
 :mod:`distlock.backends.base` on the server — ``START TRANSACTION``, the ``FOR UPDATE``
 read, the clock read after it, the conditional UPDATE, ``COMMIT`` — and answer with one
 row. An error rolls the procedure's transaction back and is raised again (RESIGNAL) with
-its own code, so a deadlock (1213) is retried by db.run() and a lock-wait timeout (1205) still means busy.
+its own code, so a deadlock (1213) is retried by db.run() and a lock-wait timeout (1205)
+still means busy.
 """
 
 from __future__ import annotations
