@@ -101,6 +101,30 @@ class Distlock(Contender):
         connections.close_all()
 
 
+def use_mariadb_python_path() -> None:
+    """In a forked worker only: run distlock's MariaDB operations as before migration 0006
+    — a transaction of the portable statements from Python, and the fenced write's check
+    as a separate locking read — so both paths are measured in the same run."""
+    from distlock.backends import backend_named
+
+    backend = backend_named("mysql")
+    assert backend is not None
+    backend.one_statement = frozenset({"holds"})  # type: ignore[misc]
+    backend.folded_owner_check = lambda connection: None  # type: ignore[method-assign]
+
+
+class DistlockPythonPath(Distlock):
+    """M: distlock before 0006 (see :func:`use_mariadb_python_path`)."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__(alias, "distlock, Python path (before 0006)")
+        self.note = "a transaction of 3–5 statements from Python per operation"
+
+    def connect(self) -> None:
+        super().connect()
+        use_mariadb_python_path()
+
+
 class DistlockBlocking(Distlock):
     """distlock's blocking ``acquire()``, as a user waits: back-off, and on PostgreSQL a
     NOTIFY from the release wakes the waiter. One name only: elsewhere it never waits."""
@@ -455,3 +479,14 @@ class FencedSave(_AccountWrite):
         account.balance += 1
         account.save(fence=self._lease(pk), using=self.alias)
         return True
+
+
+class FencedUpdateSeparateCheck(FencedUpdate):
+    """MariaDB before the folded check: a locking read, then the UPDATE, in a transaction."""
+
+    label = "fenced_update(lease), separate check (before)"
+    note = "SELECT … LOCK IN SHARE MODE + conditional UPDATE in one transaction"
+
+    def connect(self) -> None:
+        super().connect()
+        use_mariadb_python_path()

@@ -369,10 +369,6 @@ def test_bulk_fenced_update_counts_rows_and_is_all_or_nothing():
     assert not Order.objects.filter(status="shipped").exists()
 
 
-@pytest.mark.skipif(
-    "connection.vendor not in ('postgresql', 'sqlite')",
-    reason="the one-statement form is PostgreSQL's and SQLite's",
-)
 def test_one_statement_fenced_update_guards_every_row_unless_one_is_pinned():
     """All or nothing in one statement: a filter that pins a unique column (pk=...) matches
     one row at most, so the statement needs no guard against skipped rows; any other
@@ -387,7 +383,8 @@ def test_one_statement_fenced_update_guards_every_row_unless_one_is_pinned():
 
     pinned = sql_of(Account.objects.filter(pk=first.pk, balance=first.balance), note="a")
     assert "NOT EXISTS" not in pinned
-    assert pinned.count(f'"id" = {first.pk}') == 1  # the lock name's condition is the filter's
+    # The lock name's condition is the filter's.
+    assert pinned.count(f"{connection.ops.quote_name('id')} = {first.pk}") == 1
     either = Account.objects.filter(pk=first.pk) | Account.objects.filter(pk=second.pk)
     with pytest.raises(ValueError, match="guarded by another lock"):
         either.fenced_update(lease, note="b")
@@ -846,7 +843,7 @@ def _function_body(name: str) -> str:
 def test_captured_sql_is_a_locking_check_then_one_conditional_write():
     """No read of the data row decides anything: the UPDATE's WHERE does.
 
-    On PostgreSQL and SQLite (in autocommit) save and fenced_update are a single
+    On PostgreSQL, SQLite and MariaDB (in autocommit) save and fenced_update are a single
     statement, the locking check folded into the UPDATE's WHERE; elsewhere the check is a
     statement of its own in the write's transaction.
     """
@@ -883,6 +880,14 @@ def test_captured_sql_is_a_locking_check_then_one_conditional_write():
             (update,) = _statements(captured)
             check = update.split("EXISTS (SELECT 1 FROM distlock_lock", 1)[1]
             assert lease.owner in check and f"token = {lease.token}" in check, what
+        elif vendor == "mysql" and what in ("save", "fenced_update"):
+            # MariaDB: the check is an EXISTS sub-select of the UPDATE, a locking read.
+            assert len(captured) == 1, (what, [q["sql"] for q in captured])
+            (update,) = _statements(captured)
+            check = update.split("EXISTS (SELECT 1 FROM distlock_lock", 1)[1]
+            check = check.split(f"{share})", 1)[0] + share
+            assert f"owner = CAST('{lease.owner}' AS BINARY)" in check, what
+            assert f"token = {lease.token}" in check, what
         else:
             check, update, *rest = _statements(captured)
             assert "distlock_lock" in check and check.rstrip().endswith(share), what

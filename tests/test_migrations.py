@@ -5,7 +5,8 @@ functions (nothing elsewhere). 0002 replaces the pre-release steps 0003–0007, 
 database those migrated counts as migrated without running anything. 0003_token_floor
 makes the token floor, started at the table's largest token, and redefines
 distlock_acquire on PostgreSQL to start new rows above it. 0005 indexes the owned lock
-rows, each vendor in its own form.
+rows, each vendor in its own form. 0006 makes the stored procedures of the lock
+operations on MariaDB/MySQL (nothing elsewhere).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0005_lock_owned_index")
+LATEST = ("distlock", "0006_mysql_procedures")
 
 
 def tables() -> set[str]:
@@ -181,3 +182,35 @@ def test_a_database_the_pre_release_series_migrated_counts_as_migrated() -> None
             recorder.record_unapplied(*key)
         if squashed not in recorder.applied_migrations():
             recorder.record_applied(*squashed)
+
+
+def procedures() -> set[str]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT ROUTINE_NAME FROM information_schema.ROUTINES "
+            "WHERE ROUTINE_SCHEMA = DATABASE() AND ROUTINE_NAME LIKE 'distlock%%'"
+        )
+        return {str(name) for (name,) in cursor.fetchall()}
+
+
+@pytest.mark.skipif(
+    "connection.vendor != 'mysql'", reason="MariaDB/MySQL only: stored procedures of 0006"
+)
+def test_mysql_procedures_come_and_go_with_0006(migrated_back: None) -> None:
+    from distlock.backends.mysql_procedures import PROCEDURES
+
+    assert procedures() == set(PROCEDURES)
+    call_command("migrate", "distlock", "0005", verbosity=0)
+    assert procedures() == set()
+    call_command("migrate", "distlock", verbosity=0)
+    assert procedures() == set(PROCEDURES)
+    # Installing over procedures that exist replaces them (DROP … IF EXISTS first).
+    from distlock.backends.mysql import MySQL
+
+    with connection.schema_editor(atomic=False) as editor:
+        MySQL().install_procedures(editor, True)
+    assert procedures() == set(PROCEDURES)
+    lease = acquire("procedures", ttl=30)
+    lease.renew(ttl=30)
+    assert Lock.objects.get(name="procedures").renew_count == 1
+    assert lease.release() is True

@@ -79,6 +79,10 @@ class Backend(TokenFloorSQL):
             f"AND expires_us > {self.now_sql()}{self.share_lock}"
         )
 
+    def folded_owner_check(self, connection: BaseDatabaseWrapper) -> str | None:
+        """``folded_owner_check_sql`` where this server can run it (None: it cannot)."""
+        return self.folded_owner_check_sql
+
     def name_equals_sql(self, sql: str) -> str:
         """``sql = %s`` compared exactly, false (not NULL) when ``sql`` is NULL."""
         return f"COALESCE(({sql}) = %s, 0)"

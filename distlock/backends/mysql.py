@@ -1,16 +1,28 @@
-"""MariaDB and MySQL: the portable operations, plus exact names and InnoDB's errors."""
+"""MariaDB and MySQL: stored procedures for the lock operations, the fenced write's check
+folded into its UPDATE, exact names and InnoDB's errors.
+
+Acquire, renew and release are one ``CALL`` each, in autocommit mode: the procedures of
+migration 0006 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, in
+:mod:`distlock.backends.mysql_procedures`) run the portable steps of
+:mod:`distlock.backends.base` on the server — ``START TRANSACTION``, the ``FOR UPDATE``
+read, the clock read after it, the conditional UPDATE, ``COMMIT`` — and answer with one
+row. An error rolls the procedure's transaction back and is raised again (RESIGNAL) with
+its own code, so a deadlock (1213) is retried by db.run() and a lock-wait timeout (1205)
+still means busy.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage, Warning
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
-from distlock.backends.results import FAIL, OK, WARN
-from distlock.constants import LOCK_TABLE, OWNED_INDEX
+from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
+from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
+from distlock.constants import LOCK_TABLE, MAX_TOKEN, OWNED_INDEX
 
 # Deadlock (1213) and "record has changed since last read" (1020) roll the transaction
 # back: safe to run it again.
@@ -37,11 +49,29 @@ class MySQL(Backend):
     # MariaDB and MySQL have no UPDATE … RETURNING.
     has_update_returning = False
 
+    one_statement: ClassVar[frozenset[str]] = frozenset(
+        {"acquire_existing", "renew", "release", "holds"}
+    )
+    # The fenced write's ownership check in its UPDATE's WHERE (params: name, owner,
+    # token). LOCK IN SHARE MODE makes the sub-select a locking read of the latest row,
+    # held to the commit, in every isolation level; without it READ COMMITTED (Django's
+    # default) reads a snapshot and takes no lock, and a take-over would not wait.
+    # Owners compare as bytes: the column's collation may fold case.
+    # (Built by folded_owner_check() from now_sql().)
+
     def now_sql(self) -> str:
-        # SYSDATE() is real time; NOW() is fixed at statement start. UNIX_TIMESTAMP reads
-        # its argument in the session time zone, which is also SYSDATE's, so the pair is
-        # exact.
-        return "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED)"
+        return NOW_US
+
+    def folded_owner_check(self, connection: BaseDatabaseWrapper) -> str | None:
+        # A many-row write's all-or-none condition reads the table it writes, which
+        # MariaDB allows (10.3.2+) and MySQL refuses (error 1093): MySQL keeps the
+        # separate locking read.
+        if not _is_mariadb(connection):
+            return None
+        return (
+            f"EXISTS (SELECT 1 FROM {LOCK_TABLE} WHERE name = %s AND owner = CAST(%s AS "
+            f"BINARY) AND token = %s AND expires_us > {self.now_sql()} LOCK IN SHARE MODE)"
+        )
 
     def insert_if_absent(
         self, table: str, columns: str, values: str, *, key: str = "name"
@@ -128,6 +158,68 @@ class MySQL(Backend):
             id="distlock.W002",
         )]
 
+    def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
+        """mysqlclient's own cursor, kept per database session, but only when nobody
+        watches this connection's queries (DEBUG's query log, assertNumQueries,
+        execute_wrappers see every statement through Django's cursor)."""
+        if connection.queries_logged or connection.execute_wrappers:
+            return connection.cursor()
+        connection.validate_thread_sharing()
+        cursor: _RawCursor | None = getattr(connection, "_distlock_cursor", None)
+        if cursor is None or cursor.raw is not connection.connection:
+            cursor = connection._distlock_cursor = _RawCursor(connection)  # type: ignore[attr-defined]
+        return cursor
+
+    # -- the lock operations: stored procedures (migration 0006) ---------------------------
+
+    # Each procedure runs its own START TRANSACTION, which would commit a transaction the
+    # cursor's connection has open: there (never from db.run, which refuses to run inside
+    # one) the portable steps run instead, inside it.
+
+    def acquire_existing(
+        self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
+    ) -> Grant | Busy | None:
+        """``distlock_acquire`` also creates a missing row (so it never returns None)."""
+        if not _autocommit(cursor):
+            return super().acquire_existing(cursor, name, owner, holder, ttl_us)
+        status, token, acquired_us, expires_us, other, remaining_us = _call(
+            cursor, "CALL distlock_acquire(%s, %s, %s, %s, %s)",
+            [name, owner, holder, ttl_us, MAX_TOKEN],
+        )
+        if status == "granted":
+            return Grant(token, acquired_us, expires_us, took_over=other)
+        if status == "busy":
+            return Busy(token, other, remaining_us)
+        raise exhausted(name if status == "exhausted" else None)
+
+    def renew(
+        self, cursor: Any, name: str, owner: str, token: int, ttl_us: int
+    ) -> Grant | str:
+        if not _autocommit(cursor):
+            return super().renew(cursor, name, owner, token, ttl_us)
+        status, renewed_us, expires_us = _call(
+            cursor, "CALL distlock_renew(%s, %s, %s, %s)", [name, owner, token, ttl_us]
+        )
+        if status != "renewed":
+            return RENEW_REFUSED[status]
+        return Grant(token, renewed_us, expires_us)
+
+    def release(
+        self, cursor: Any, name: str, owner: str, token: int
+    ) -> tuple[bool, int | None]:
+        if not _autocommit(cursor):
+            return super().release(cursor, name, owner, token)
+        held, released_us = _call(
+            cursor, "CALL distlock_release(%s, %s, %s)", [name, owner, token]
+        )
+        return bool(held), released_us
+
+    def install_procedures(self, schema_editor: Any, install: bool) -> None:
+        """Create (``install``) or drop the procedures (migration 0006)."""
+        collation = self.name_collation(schema_editor.connection)
+        for sql in procedures_sql(collation or "utf8mb4_nopad_bin") if install else DROP:
+            schema_editor.execute(sql, params=None)  # None: no placeholders in routines
+
     def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
         collation = self.name_collation(connection)
         with connection.cursor() as cursor:
@@ -150,6 +242,62 @@ class MySQL(Backend):
         found.append((level, f"session isolation level is {isolation} (lock operations use "
                              "locking reads, which see the latest committed row)"))
         return found
+
+
+def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
+    return bool(getattr(connection, "mysql_is_mariadb", False))
+
+
+class _RawCursor:
+    """A mysqlclient cursor with Django's error wrapping, for one-statement operations.
+
+    Django's cursor is made anew for every operation and goes through two wrappers per
+    call; for an operation that is one CALL that was about a quarter of its client CPU.
+    """
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        self.db = connection
+        self.raw = connection.connection
+        self.cursor = self.raw.cursor()
+
+    def execute(self, sql: str, params: Any = None) -> None:
+        with self.db.wrap_database_errors:
+            self.cursor.execute(sql, params)
+
+    def fetchone(self) -> Any:
+        with self.db.wrap_database_errors:
+            return self.cursor.fetchone()
+
+    def nextset(self) -> Any:
+        with self.db.wrap_database_errors:
+            return self.cursor.nextset()
+
+    def __enter__(self) -> _RawCursor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Kept open for the next operation; every result was read (see _call).
+        pass
+
+
+def _autocommit(cursor: Any) -> bool:
+    """Is the (Django) cursor's connection in autocommit mode, outside atomic()?"""
+    connection = getattr(cursor, "db", None)
+    return (
+        connection is not None and not connection.in_atomic_block
+        and connection.get_autocommit()
+    )
+
+
+def _call(cursor: Any, sql: str, params: list[Any]) -> Any:
+    """Run a ``CALL`` and return its one row. A CALL answers with the row's result set and
+    then its own status: both are read here, or the connection's next statement fails
+    with "commands out of sync"."""
+    cursor.execute(sql, params)
+    row = cursor.fetchone()
+    while cursor.nextset():
+        pass
+    return row
 
 
 BACKEND = MySQL

@@ -5,7 +5,8 @@ transaction that the lease is current: a locking read of the lock row requiring 
 lease's owner and token and an expiry later than the database's clock. Its shared row
 lock (SQLite: the IMMEDIATE write lock) lasts until the write commits, so a take-over
 waits for the commit and a lease that ran out commits nothing. On PostgreSQL and
-SQLite in autocommit, the check is folded into the write's own statement (:class:`LeaseHolds`).
+SQLite and MariaDB in autocommit, the check is folded into the write's own statement
+(:class:`LeaseHolds`).
 
 :func:`fenced` runs a write under that check and turns the database's refusal into
 StaleToken (or ValueError for a row of another lock).
@@ -87,7 +88,7 @@ class SameName(_Condition):
 
 class LeaseHolds(_Condition):
     """The ownership check inside the write's own statement, where the backend can do it
-    (``Backend.folded_owner_check_sql``; PostgreSQL and SQLite).
+    (``Backend.folded_owner_check``; PostgreSQL, SQLite and MariaDB).
 
     ``(SELECT distlock_holds(name, owner, token))`` — a server-side function doing the
     same locking read as ``Backend.owner_check_sql``. Uncorrelated, so PostgreSQL evaluates it once
@@ -95,7 +96,10 @@ class LeaseHolds(_Condition):
     lasts until the statement's transaction ends, and a lock row changed meanwhile is
     re-checked in its latest version. SQLite: an uncorrelated ``EXISTS (SELECT …)``; the
     UPDATE takes the file's one write lock as it starts, so nobody changes the lock row
-    between the check and the commit (tests/test_sqlite_path.py).
+    between the check and the commit (tests/test_sqlite_path.py). MariaDB: an uncorrelated
+    ``EXISTS (SELECT … LOCK IN SHARE MODE)``, a locking read of the latest committed row
+    whatever the isolation level (without the clause, READ COMMITTED would make it a
+    snapshot read that takes no lock: tests/test_mysql_procedures.py).
     """
 
     def __init__(self, name: str, owner: str, token: int) -> None:
@@ -105,7 +109,7 @@ class LeaseHolds(_Condition):
     def as_sql(
         self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
     ) -> tuple[str, tuple[Any, ...]]:
-        sql = backend_for(connection).folded_owner_check_sql
+        sql = backend_for(connection).folded_owner_check(connection)
         assert sql is not None, "folded_check() builds LeaseHolds only where the backend has it"
         return sql, tuple(self.params)
 
@@ -113,14 +117,15 @@ class LeaseHolds(_Condition):
 def folded_check(model: type[models.Model], lease: Lease, using: str) -> LeaseHolds | None:
     """The ownership check as a WHERE condition, when the write can carry it; else None.
 
-    Only on PostgreSQL and SQLite (MariaDB cannot lock rows in an UPDATE's subquery the
-    same way) and only in autocommit: inside
+    Only on PostgreSQL, SQLite and MariaDB (MySQL refuses an UPDATE whose subquery reads
+    the table it writes, which the all-or-none condition of a many-row write needs) and
+    only in autocommit: inside
     the caller's ``atomic()`` the savepoint path keeps everything the save does, signal
     receivers included, inside the fenced write.
     """
     connection = connections[using]
     if (
-        backend_for(connection).folded_owner_check_sql is None
+        backend_for(connection).folded_owner_check(connection) is None
         or not connection.get_autocommit()
         or not _checks_ownership(model, lease, using)
     ):
