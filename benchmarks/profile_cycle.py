@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                   transports=transports)
     dbs.create_pg()
     dbs.prepare(run.pg_alias(transports[0]), dbs.POOL)
-    name = "own:0"
+    # A name of this run's own: a run killed between acquire and release leaves its name
+    # held until the ttl ends.
+    name = f"profile:{os.getpid()}"
     for transport in transports:
         alias = run.pg_alias(transport)
         contenders: list[Any] = [c.PgUpsert(dbs.pg_conninfo(transport=transport)),
