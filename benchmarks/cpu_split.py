@@ -119,6 +119,11 @@ def worker(contender: c.Contender, index: int, seconds: float, barrier: Any,
 
 def measure(contender: c.Contender, procs: int, seconds: float) -> tuple[float, float, float]:
     """(cycles/s, client CPU µs per cycle, backend CPU µs per cycle), all workers."""
+    from django.db import connections
+
+    # Forked children must not share the parent's sockets: a child closing an inherited
+    # connection would end the parent's session with it.
+    connections.close_all()
     context = multiprocessing.get_context("fork")
     barrier, results = context.Barrier(procs), context.Queue()
     workers = [context.Process(target=worker, args=(contender, i, seconds, barrier, results))
