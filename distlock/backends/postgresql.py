@@ -9,7 +9,6 @@ statements (:class:`_BoundCursor`).
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import functools
 import secrets
@@ -166,9 +165,7 @@ class PostgreSQL(Backend):
         statement through Django's own cursor, as they would for the ORM."""
         if connection.queries_logged or connection.execute_wrappers or not is_psycopg3():
             return connection.cursor()
-        if connection._thread_ident != _thread.get_ident():  # type: ignore[attr-defined]
-            # Django's check, called only when it could fail (a method call saved).
-            connection.validate_thread_sharing()
+        connection.validate_thread_sharing()
         # One cursor per database session, made again after a reconnect: creating a
         # psycopg cursor per statement is a measurable part of an operation's client CPU.
         cursor: _BoundCursor | None = getattr(connection, "_distlock_cursor", None)
