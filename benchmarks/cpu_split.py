@@ -3,6 +3,7 @@
 
     python benchmarks/cpu_split.py              # 8 processes on their own names, 3 rounds
     python benchmarks/cpu_split.py --procs 1    # the same from one process
+    python benchmarks/cpu_split.py --transport socket   # one transport (default: both)
 
 The "8 processes on their own names" figure is CPU-bound on a small machine (clients and
 backends share the cores), so its rate is the cores divided by client + backend CPU per
@@ -16,7 +17,8 @@ for four contenders that peel distlock's layers off one at a time:
 - distlock's public API, ``acquire(blocking=False)`` + ``Lease.release()``.
 
 The differences between rows tell which layer a cycle's extra CPU comes from. Prints one
-table of medians over rounds; like run.py, read the ratios, not the absolute numbers.
+table of medians over rounds per transport (PostgreSQL's Unix socket, TCP); like run.py,
+read the ratios, not the absolute numbers.
 """
 
 from __future__ import annotations
@@ -67,13 +69,15 @@ class SqlFunctionsOnDjango(SqlFunctions):
 
     label = "the same on Django's connection"
 
-    def __init__(self) -> None:
+    def __init__(self, alias: str) -> None:
         super().__init__("")
+        self.alias = alias
 
     def connect(self) -> None:
         import psycopg
-        from django.db import connection
+        from django.db import connections
 
+        connection = connections[self.alias]
         connection.ensure_connection()
         self.conn = connection.connection
         self.conn.prepare_threshold = 0
@@ -115,6 +119,11 @@ def worker(contender: c.Contender, index: int, seconds: float, barrier: Any,
 
 def measure(contender: c.Contender, procs: int, seconds: float) -> tuple[float, float, float]:
     """(cycles/s, client CPU µs per cycle, backend CPU µs per cycle), all workers."""
+    from django.db import connections
+
+    # Forked children must not share the parent's sockets: a child closing an inherited
+    # connection would end the parent's session with it.
+    connections.close_all()
     context = multiprocessing.get_context("fork")
     barrier, results = context.Barrier(procs), context.Queue()
     workers = [context.Process(target=worker, args=(contender, i, seconds, barrier, results))
@@ -136,32 +145,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--transport", choices=[*dbs.TRANSPORTS, "both"], default="both",
+                        help="PostgreSQL over its Unix socket, TCP or both (default)")
     args = parser.parse_args(argv)
     if args.procs < 1 or args.rounds < 1 or args.seconds <= 0:
         parser.error("need --procs ≥ 1, --rounds ≥ 1 and --seconds > 0")
-    run.configure(["postgresql"], False, str(Path(tempfile.mkdtemp()) / "unused.sqlite3"))
+    transports = run.pick_transports(args.transport, False)
+    run.configure(["postgresql"], False, str(Path(tempfile.mkdtemp()) / "unused.sqlite3"),
+                  list(transports))
     dbs.create_pg()
     dbs.prepare("default", dbs.POOL)
-    contenders = [c.PgUpsert(dbs.pg_conninfo()), SqlFunctions(dbs.pg_conninfo()),
-                  SqlFunctionsOnDjango(), c.Distlock("default")]
-    seen: dict[str, list[tuple[float, float, float]]] = {x.label: [] for x in contenders}
-    for round_no in range(args.rounds):
-        for contender in run.rotated(contenders, round_no):
-            dbs.maintain("default")
-            seen[contender.label].append(measure(contender, args.procs, args.seconds))
     print(f"{args.procs} process(es) on their own names, {args.rounds} rounds of "
-          f"{args.seconds} s, medians\n")
-    print("| contender | cycles/s | × A | client CPU µs/cycle | backend CPU µs/cycle | sum |")
-    print("|---|---:|---:|---:|---:|---:|")
-    reference = seen[contenders[0].label]
-    for label, runs in seen.items():
-        rate = statistics.median(r[0] for r in runs)
-        vs_a = statistics.median(mine[0] / ref[0] for mine, ref in zip(runs, reference,
-                                                                      strict=True))
-        client = statistics.median(r[1] for r in runs)
-        backend = statistics.median(r[2] for r in runs)
-        print(f"| {label} | {rate:,.0f} | {vs_a:.2f} | {client:.0f} | {backend:.0f} "
-              f"| {client + backend:.0f} |")
+          f"{args.seconds} s, medians; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the start\n")
+    for transport in transports:
+        alias, conninfo = run.pg_alias(transport), dbs.pg_conninfo(transport=transport)
+        contenders = [c.PgUpsert(conninfo), SqlFunctions(conninfo),
+                      SqlFunctionsOnDjango(alias), c.Distlock(alias)]
+        seen: dict[str, list[tuple[float, float, float]]] = {x.label: [] for x in contenders}
+        for round_no in range(args.rounds):
+            for contender in run.rotated(contenders, round_no):
+                dbs.maintain(alias)
+                seen[contender.label].append(measure(contender, args.procs, args.seconds))
+        print(f"| {transport} | cycles/s | × A | client CPU µs/cycle | × A "
+              "| backend CPU µs/cycle | × A | sum |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        reference = seen[contenders[0].label]
+        a_client = statistics.median(r[1] for r in reference)
+        a_backend = statistics.median(r[2] for r in reference)
+        for label, runs in seen.items():
+            rate = statistics.median(r[0] for r in runs)
+            vs_a = statistics.median(mine[0] / ref[0] for mine, ref in zip(runs, reference,
+                                                                          strict=True))
+            client = statistics.median(r[1] for r in runs)
+            backend = statistics.median(r[2] for r in runs)
+            print(f"| {label} | {rate:,.0f} | {vs_a:.2f} | {client:.0f} "
+                  f"| {client / a_client:.2f} | {backend:.0f} | {backend / a_backend:.2f} "
+                  f"| {client + backend:.0f} |")
+        print()
     return 0
 
 

@@ -78,7 +78,11 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
+        value = getattr(import_module(_LAZY[name]), name)
+        # Kept as a module global: the next ``distlock.acquire`` (or ``from distlock
+        # import acquire`` in a function) is a plain lookup, not an import each call.
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'distlock' has no attribute {name!r}")
 
 

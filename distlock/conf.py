@@ -55,26 +55,24 @@ DEFAULTS: dict[str, Any] = {
 
 
 class Settings:
-    """Attribute access to the ``DISTLOCK_*`` settings with their defaults."""
+    """Attribute access to the ``DISTLOCK_*`` settings with their defaults.
 
-    def __init__(self) -> None:
-        self._values: dict[str, Any] = {}
+    A value read once is kept as an attribute of the instance, so the next read is a
+    plain attribute lookup: ``__getattr__`` runs only for a setting not read yet.
+    """
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            pass
         key = f"DISTLOCK_{name}"
         if key not in DEFAULTS:
             raise AttributeError(name)
-        value = self._values[name] = getattr(django_settings, key, DEFAULTS[key])
+        value = getattr(django_settings, key, DEFAULTS[key])
+        self.__dict__[name] = value
         return value
 
     def forget(self, **kwargs: Any) -> None:
         """Drop remembered values (the ``setting_changed`` receiver)."""
         if str(kwargs.get("setting", "")).startswith("DISTLOCK_"):
-            self._values.clear()
+            self.__dict__.clear()
 
     def database(self) -> str:
         """The alias of the lock table's database."""

@@ -131,22 +131,40 @@ def run(alias: str, operation: str, *args: Any) -> Any:
     Retries the whole transaction on serialization failures and deadlocks, which the
     database resolves by aborting it (REPEATABLE READ on PostgreSQL, gap locks on MariaDB).
     """
-    connection = connections[alias]
-    backend = backend_for(connection)
+    return run_on(connections[alias], None, operation, *args)
+
+
+def run_on(
+    connection: BaseDatabaseWrapper, backend: Backend | None, operation: str, *args: Any
+) -> Any:
+    """:func:`run` on a connection (and backend) the caller has already looked up.
+
+    The acquire path looks them up once per acquire and passes them here, instead of
+    once per step (each ``connections[alias]`` is a thread-local lookup of a few µs).
+    """
+    if backend is None:
+        backend = backend_for(connection)
     refuse_atomic(connection, backend)
     _drop_if_broken(connection)
     method = getattr(backend, operation)
     # An operation that is one statement on this database is its own transaction in
-    # autocommit mode: no BEGIN and COMMIT round trips around it.
-    alone = operation in backend.one_statement and connection.get_autocommit()
+    # autocommit mode: no BEGIN and COMMIT round trips around it. (refuse_atomic has just
+    # made sure the connection is in autocommit mode.)
+    alone = operation in backend.one_statement
     attempt = 0
     while True:
         attempt += 1
         try:
             if alone:
+                if connection.connection is None:
+                    # _drop_if_broken closed it, or a retry follows a lost connection.
+                    connection.ensure_connection()
                 with backend.statement_cursor(connection) as cursor:
                     return method(cursor, *args)
-            with transaction.atomic(using=alias, durable=True), connection.cursor() as cursor:
+            with (
+                transaction.atomic(using=connection.alias, durable=True),
+                connection.cursor() as cursor,
+            ):
                 return method(cursor, *args)
         except DatabaseError as exc:
             if attempt >= RETRIES or not backend.retryable(exc):

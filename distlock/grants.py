@@ -10,7 +10,6 @@ loops honest copies of one algorithm.
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import socket
@@ -22,6 +21,7 @@ from django.db import DatabaseError, connections
 
 from distlock import db, signals
 from distlock.backends import backend_for
+from distlock.backends.base import Backend
 from distlock.backends.results import Busy, Grant
 from distlock.conf import conf
 from distlock.constants import HOLDER_LENGTH
@@ -40,19 +40,30 @@ from distlock.validation import (
 DEFAULT: Any = object()
 
 
-@functools.cache
-def _hostname() -> str:
-    # A system call per acquire otherwise; a host is not renamed under a running process.
-    return socket.gethostname()
+# "host pid=N thread=": the same for every acquire of this process. Made at the first
+# acquire (a host is not renamed under a running process; gethostname and getpid are
+# system calls) and again in a child after fork, which has a pid of its own.
+_host_pid: str | None = None
+
+
+def _forget_pid() -> None:
+    global _host_pid
+    _host_pid = None
+
+
+os.register_at_fork(after_in_child=_forget_pid)
 
 
 def describe_holder(extra: str = "") -> str:
     """Who is asking, for people reading the lock table: host, pid, thread (and ``extra``)."""
-    thread = threading.current_thread().name
-    parts = [_hostname(), f"pid={os.getpid()}", f"thread={thread}"]
+    global _host_pid
+    prefix = _host_pid
+    if prefix is None:
+        prefix = _host_pid = f"{socket.gethostname()} pid={os.getpid()} thread="
+    text = prefix + threading.current_thread().name
     if extra:
-        parts.append(extra)
-    return " ".join(parts)[:HOLDER_LENGTH]
+        text = f"{text} {extra}"
+    return text[:HOLDER_LENGTH]
 
 
 def wait_limit(timeout: Seconds | None) -> float | None:
@@ -64,8 +75,8 @@ class Request:
     """One acquire's arguments, checked before any SQL, and the owner id of its grant."""
 
     __slots__ = (
-        "alias", "began", "blocking", "description", "name", "owner", "seconds", "ttl_us",
-        "wait",
+        "alias", "backend", "began", "blocking", "description", "name", "owner", "seconds",
+        "ttl_us", "wait",
     )
 
     def __init__(
@@ -80,6 +91,8 @@ class Request:
         self.blocking = blocking
         check_text(holder, "holder")
         self.alias = check_using(using)
+        # The alias's backend, once try_once() has looked it up (grant_lease reads it).
+        self.backend: Backend | None = None
         # 128 random bits, as a uuid4 has (less its fixed version bits), at a quarter of
         # the cost.
         self.owner = os.urandom(16).hex()
@@ -97,16 +110,21 @@ class Request:
 
 def try_once(request: Request) -> Grant | Busy:
     """One try for the lock, committed before it returns: a Grant, or Busy with the holder."""
-    alias, name, owner = request.alias, request.name, request.owner
+    name, owner = request.name, request.owner
     holder, ttl_us = request.description, request.ttl_us
+    # Looked up once per try, not once per step (see db.run_on).
+    connection = connections[request.alias]
+    backend = request.backend = backend_for(connection)
     try:
         while True:
-            result: Grant | Busy | None = db.run(
-                alias, "acquire_existing", name, owner, holder, ttl_us
+            result: Grant | Busy | None = db.run_on(
+                connection, backend, "acquire_existing", name, owner, holder, ttl_us
             )
             if result is not None:
                 return result
-            created: Grant | None = db.run(alias, "acquire_new", name, owner, holder, ttl_us)
+            created: Grant | None = db.run_on(
+                connection, backend, "acquire_new", name, owner, holder, ttl_us
+            )
             if created is not None:
                 return created
             # Another process created the row between our two transactions: go round
@@ -116,7 +134,7 @@ def try_once(request: Request) -> Grant | Busy:
         # innodb_lock_wait_timeout) shorter than another transaction's hold on the lock
         # row: that is contention, so busy (retried within acquire's own timeout), not
         # an error. The aborted try wrote nothing.
-        if not backend_for(connections[alias]).lock_wait_cut_short(exc):
+        if not backend.lock_wait_cut_short(exc):
             raise
         return Busy(token=0, holder="", remaining_us=None)
 
@@ -159,12 +177,13 @@ def grant_lease(request: Request, started: float, result: Grant) -> Lease:
     signal's ``waited`` is the time from the call to the start of that try (microseconds
     when the first try got the lock): no clock read beyond those the acquire makes anyway.
     """
-    alias, seconds = request.alias, request.seconds
+    alias, seconds, backend = request.alias, request.seconds, request.backend
+    if backend is None:
+        backend = backend_for(connections[alias])
     lease = Lease._granted(
         request.name, request.owner, result.token, using=alias, ttl=seconds,
         expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
-        holder=request.description,
-        deadline=started + seconds - backend_for(connections[alias]).clock_resolution,
+        holder=request.description, deadline=started + seconds - backend.clock_resolution,
     )
     signals.lock_acquired.send(
         sender=Lease, lease=lease, took_over=result.took_over, waited=started - request.began,

@@ -114,6 +114,14 @@ def check_ttl(ttl: object) -> float:
     """Return the lease length in seconds (the default when ``ttl`` is None)."""
     if ttl is None:
         ttl = conf.DEFAULT_TTL
+    if (
+        isinstance(ttl, int | float) and not isinstance(ttl, bool)
+        and MIN_TTL <= ttl <= MAX_SECONDS and ttl <= float(conf.MAX_TTL)
+    ):
+        # The common case in a few comparisons (every acquire checks its ttl): a plain
+        # number within bounds. NaN, infinities and anything out of range fail them and
+        # get the full check below, with its messages.
+        return float(ttl)
     seconds = check_seconds(ttl, "ttl")
     if seconds < MIN_TTL:
         raise ValueError(f"ttl must be at least {MIN_TTL} s, not {seconds}")

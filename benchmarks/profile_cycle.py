@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Client CPU of one acquire → release cycle in one process, and where it goes (cProfile).
+
+    python benchmarks/profile_cycle.py                      # both transports, 20,000 cycles
+    python benchmarks/profile_cycle.py --transport socket --profile 25
+
+One process loops ``acquire(name, blocking=False)`` + ``Lease.release()`` on a name of its
+own, and A's two statements (raw psycopg) beside it, alternating in blocks, and prints
+the client CPU per cycle of each (``time.process_time()``) and their ratio — the "client
+CPU ≤ 1.3× A" figure of issue 15 without 8 processes sharing the cores. ``--profile N``
+then runs distlock's loop under cProfile and prints its N most expensive functions (own
+time), which is how the layers of the path were weighed (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import contenders as c  # noqa: E402
+from benchmarks import databases as dbs  # noqa: E402
+from benchmarks import run  # noqa: E402
+
+
+def cycles(contender: c.Contender, name: str, count: int) -> float:
+    """Client CPU µs per cycle over ``count`` cycles."""
+    began = time.process_time()
+    for _ in range(count):
+        handle = contender.try_acquire(name)
+        assert handle is not None, f"{name} was busy: another run uses it?"
+        contender.release(handle)
+    return (time.process_time() - began) / count * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--transport", choices=[*dbs.TRANSPORTS, "both"], default="both")
+    parser.add_argument("--cycles", type=int, default=20_000)
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile distlock's loop and print its N top functions")
+    args = parser.parse_args(argv)
+    if args.cycles < 1 or args.blocks < 1:
+        parser.error("need --cycles ≥ 1 and --blocks ≥ 1")
+    transports = list(dbs.TRANSPORTS) if args.transport == "both" else [args.transport]
+    run.configure(["postgresql"], False, str(Path(tempfile.mkdtemp()) / "unused.sqlite3"),
+                  transports=transports)
+    dbs.create_pg()
+    dbs.prepare(run.pg_alias(transports[0]), dbs.POOL)
+    # A name of this run's own: a run killed between acquire and release leaves its name
+    # held until the ttl ends.
+    name = f"profile:{os.getpid()}"
+    for transport in transports:
+        alias = run.pg_alias(transport)
+        contenders: list[Any] = [c.PgUpsert(dbs.pg_conninfo(transport=transport)),
+                                 c.Distlock(alias)]
+        for contender in contenders:
+            contender.connect()
+            cycles(contender, name, 500)  # warm-up: statements prepared, caches filled
+        per = args.cycles // args.blocks
+        seen: dict[str, list[float]] = {x.label: [] for x in contenders}
+        for block in range(args.blocks):
+            for contender in run.rotated(contenders, block):
+                seen[contender.label].append(cycles(contender, name, per))
+        a, mine = (statistics.median(seen[x.label]) for x in contenders)
+        print(f"{transport}: client CPU µs/cycle, median of {args.blocks} blocks of {per}: "
+              f"A {a:.0f}, distlock {mine:.0f} ({mine / a:.2f}× A)")
+        if args.profile:
+            profiler = cProfile.Profile(time.process_time)
+            profiler.runcall(cycles, contenders[1], name, per)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        for contender in contenders:
+            contender.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
