@@ -1,14 +1,17 @@
 """Waking blocking acquires when the lock is freed: LISTEN/NOTIFY on PostgreSQL.
 
 A blocking ``acquire()`` that is refused waits before its next try. On PostgreSQL (with
-psycopg 3 and ``DISTLOCK_WAKEUPS`` on) it first registers on its own connection to the
-lock's database (``distlock_listen``: LISTEN on the lock's channel and a shared advisory
-lock that tells releasers someone waits), tries once more at once (the lock may have
-been freed before the LISTEN), and then waits for a notification *or* the usual back-off
-pause, whichever comes first. Releases and breaks notify only when someone waits. So a
-waiter gets a freed lock one round trip after the release instead of after its pause,
-and the polling stays as the fallback: for expiry (nobody notifies when a holder dies)
-and for anything that went wrong with a notification.
+psycopg 3 and ``DISTLOCK_WAKEUPS`` on) it first joins the name's queue of waiters on its
+own connection to the lock's database (``distlock_queue``, migration 0006: a row in
+``distlock_waiter``, LISTEN on the session's own channel, advisory locks that say someone
+is queued and that this session is alive), tries once more at once (the lock may have
+been freed before it queued), and then waits for its hand-off *or* the usual back-off
+pause, whichever comes first. A release or break with waiters reserves the freed lock for
+the oldest live waiter for a short grant window and notifies only that one; everyone
+else's tries are refused until it takes the grant or the window ends. So one waiter is
+woken per release, served in the order they queued, and the releasing process cannot
+win it back; the polling stays as the fallback: for expiry (nobody notifies when a
+holder dies) and for anything that went wrong with a notification.
 
 Elsewhere (MariaDB, SQLite, psycopg 2, wake-ups off) waiting is a plain sleep.
 
@@ -48,8 +51,10 @@ class Waiter:
         self.connection = connections[alias]
         self.raw: Any = None
         self.backend = backend_for(self.connection)
+        # The queue entry a hand-off names; "" once the hand-off came (the entry is gone).
+        self.queued = ""
         if conf.WAKEUPS and self.backend.supports_wakeups():
-            db.run(alias, "listen", name)
+            self.queued = str(db.run(alias, "queue", name, True))
             self.raw = self.connection.connection
 
     @property
@@ -66,15 +71,21 @@ class Waiter:
                 self.freed.wait(seconds)
                 self.freed.clear()
             return
-        self.backend.wait_for_wakeup(self.connection, seconds)
+        if not self.queued:
+            # Handed the lock and still refused (the window ran out before the try): to
+            # the back of the queue again.
+            self.queued = str(db.run(self.alias, "queue", self.name, False))
+        if self.backend.wait_for_handoff(self.connection, seconds, self.queued):
+            self.queued = ""
 
     def stop(self) -> None:
         """Stop listening (the acquire got the lock, gave up or failed)."""
         if self.listening:
-            # A connection that broke meanwhile dropped the LISTEN and the advisory lock
-            # with its session; the next operation replaces it.
+            # A connection that broke meanwhile dropped the LISTEN, the advisory locks and
+            # (with its session's "alive" lock) its place in the queue; the next operation
+            # replaces it.
             with contextlib.suppress(DatabaseError):
-                db.run(self.alias, "unlisten", self.name)
+                db.run(self.alias, "unqueue", self.name)
         self.raw = None
 
 

@@ -22,6 +22,7 @@ pytestmark = [
 
 POLL = 6.0  # the waiter's pause: 3-6 s with jitter
 WAKEUP_CLASS = 1684825963
+QUEUE_CLASS = 1684825969  # distlock_queue's "someone is queued" (migration 0006)
 
 
 def _raw():
@@ -35,11 +36,11 @@ def _raw():
 
 
 def _registered(raw, pid: int) -> bool:
-    """Whether backend ``pid`` holds the shared advisory lock that says "someone waits"."""
+    """Whether backend ``pid`` holds the shared advisory lock that says "someone is queued"."""
     return raw.execute(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
         "AND mode = 'ShareLock' AND granted AND pid = %s",
-        [WAKEUP_CLASS, pid],
+        [QUEUE_CLASS, pid],
     ).fetchone()[0] == 1
 
 
