@@ -35,6 +35,9 @@ from distlock.validation import (
 )
 from distlock.wakeups import Turn, Waiter, has_queue, poke, queue_for
 
+# pause_before_retry's attempt whose back-off is DISTLOCK_POLL_MAX_INTERVAL.
+QUEUED_ATTEMPT = 20
+
 P = ParamSpec("P")
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -151,10 +154,13 @@ def _wait_in_turn(
                 return None
             if waiter is None:
                 waiter = Waiter(request.alias, request.name, turn.freed)
-                if waiter.listening:
+                if waiter.free:
                     busy = None
-                    continue  # freed before the LISTEN took effect? Look again at once.
-            waiter.wait(pause_before_retry(attempt, busy, left))
+                    continue  # freed before it queued: look again at once.
+            # Queued, a release hands the lock over and says so: the poll is only for an
+            # expiry (to just after it) and a lost message, so at its longest pause.
+            waiter.wait(pause_before_retry(QUEUED_ATTEMPT if waiter.listening else attempt,
+                                           busy, left))
             busy = None
             attempt += 1
     finally:

@@ -53,9 +53,16 @@ class Waiter:
         self.backend = backend_for(self.connection)
         # The queue entry a hand-off names; "" once the hand-off came (the entry is gone).
         self.queued = ""
+        # Did the lock look free once queued (freed before the entry could be seen)?
+        self.free = False
         if conf.WAKEUPS and self.backend.supports_wakeups():
-            self.queued = str(db.run(alias, "queue", name, True))
+            self.free = self._queue(True)
             self.raw = self.connection.connection
+
+    def _queue(self, first: bool) -> bool:
+        queued, free = db.run(self.alias, "queue", self.name, first)
+        self.queued = str(queued)
+        return bool(free)
 
     @property
     def listening(self) -> bool:
@@ -71,10 +78,10 @@ class Waiter:
                 self.freed.wait(seconds)
                 self.freed.clear()
             return
-        if not self.queued:
+        if not self.queued and self._queue(False):
             # Handed the lock and still refused (the window ran out before the try): to
-            # the back of the queue again.
-            self.queued = str(db.run(self.alias, "queue", self.name, False))
+            # the back of the queue again, or at once to a try if it is free by now.
+            return
         if self.backend.wait_for_handoff(self.connection, seconds, self.queued):
             self.queued = ""
 

@@ -373,9 +373,10 @@ class Backend(TokenFloorSQL):
         )
         return int(cursor.rowcount)
 
-    def queue(self, cursor: Any, name: str, first: bool) -> int:
+    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool]:
         """Queue for a hand-off of ``name`` (where supports_wakeups()); ``first``: the
-        first time in this wait. Returns the queue entry's id."""
+        first time in this wait. Returns the queue entry's id and whether the lock looked
+        free (a release before the entry could be seen: try at once)."""
         raise NotImplementedError
 
     def unqueue(self, cursor: Any, name: str) -> None:

@@ -5,7 +5,8 @@ release NOTIFYed it: with 64 waiting processes a release woke all 64, they raced
 row, and the releasing process, already running, often won again (docs/performance.md,
 "Hand-off to the oldest waiter").
 
-Now a blocking sync acquire queues (``distlock_queue``): a row in ``distlock_waiter``
+Now a blocking sync acquire queues (``distlock_queue``, which also says whether the lock
+is worth a try at once): a row in ``distlock_waiter``
 (unlogged: a registration is worth nothing after a crash), LISTEN on its session's own
 channel ``distlock_w<pid>``, a shared advisory lock (1684825969 "dlcq", hashtext(name))
 that tells releasers someone is queued and the overview who waits, and an exclusive one
@@ -87,10 +88,12 @@ CREATE UNLOGGED TABLE IF NOT EXISTS distlock_waiter (
 );
 CREATE INDEX IF NOT EXISTS distlock_waiter_name ON distlock_waiter (name, id);
 
-CREATE OR REPLACE FUNCTION distlock_queue(p_name text, p_first boolean) RETURNS bigint
-LANGUAGE plpgsql VOLATILE AS $$
+CREATE OR REPLACE FUNCTION distlock_queue(
+    p_name text, p_first boolean, OUT queued bigint, OUT free boolean
+) LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    queued bigint;
+    r distlock_lock%ROWTYPE;
+    now_us bigint;
 BEGIN
     IF p_first THEN
         -- LISTEN and "alive" before the row: a release that finds the row must find both.
@@ -100,7 +103,14 @@ BEGIN
     END IF;
     INSERT INTO distlock_waiter (name, pid) VALUES (p_name, pg_backend_pid())
     RETURNING id INTO queued;
-    RETURN queued;
+    -- Is it worth a try now? FOR SHARE waits for a release in flight (it holds the row)
+    -- and then reads what it committed; a release after this waits for this transaction,
+    -- and then finds the row above. Either way no release goes unseen.
+    SELECT * INTO r FROM distlock_lock l WHERE l.name = p_name FOR SHARE;
+    now_us := {NOW_US};
+    free := NOT FOUND OR NOT (
+        (r.owner <> '' AND r.expires_us > now_us)
+        OR (r.reserved_until_us > now_us AND r.reserved_pid <> pg_backend_pid()));
 END
 $$;
 
