@@ -24,6 +24,7 @@ import bisect
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
-from benchmarks.cpu_split import cpu_seconds  # noqa: E402
 from benchmarks.harness import jain, percentile  # noqa: E402
 
 NAME = "waited"
@@ -57,6 +57,9 @@ def _count_notifications() -> None:
 
 def _worker(kind: str, index: int, hold: float, seconds: float, warmup: float,
             barrier: Any, queue: Any) -> None:
+    # Here, not at the top: cpu_split imports run.py, which imports this module.
+    from benchmarks.cpu_split import cpu_seconds
+
     try:
         _count_notifications()
         if kind == "A":
@@ -84,24 +87,24 @@ def _worker(kind: str, index: int, hold: float, seconds: float, warmup: float,
             def release(lease: Any) -> None:
                 lease.release()
 
-        def loop(until: float, record: list[tuple[float, float]] | None) -> None:
+        def loop(until: float, record: list[tuple[float, float, float]] | None) -> None:
             while time.perf_counter() < until:
                 began = time.perf_counter()
                 handle = take()
                 if handle is None:
                     raise RuntimeError("a blocking acquire timed out")
                 got = time.perf_counter()
-                if record is not None:
-                    record.append((began, got))
                 if hold:
                     time.sleep(hold)
                 release(handle)
+                if record is not None:
+                    record.append((began, got, time.perf_counter()))
 
         loop(time.perf_counter() + warmup, None)
         barrier.wait(timeout=300)
         global _notified
         _notified = 0
-        grants: list[tuple[float, float]] = []
+        grants: list[tuple[float, float, float]] = []
         backend, cpu = cpu_seconds(pid), time.process_time()
         loop(time.perf_counter() + seconds, grants)
         queue.put((index, grants, _notified, cpu_seconds(pid) - backend,
@@ -133,13 +136,18 @@ def measure(kind: str, procs: int, hold: float, seconds: float, warmup: float) -
     if errors:
         raise SystemExit(f"{kind} x{procs}: a worker failed: {errors[0]}")
     per_worker = {index: grants for index, grants, *_ in reports}
-    granted = sorted(got for grants in per_worker.values() for _, got in grants)
+    granted = sorted(got for grants in per_worker.values() for _, got, _ in grants)
     total = len(granted)
-    waits = [got - began for grants in per_worker.values() for began, got in grants]
+    waits = [got - began for grants in per_worker.values() for began, got, _ in grants]
+    # Release to the next grant (whoever got it): how long a freed lock stays idle, the
+    # hand-off's latency, which the grant window must outlast.
+    released = sorted(done for grants in per_worker.values() for _, _, done in grants)
+    idle = [got - released[i - 1] for got in granted
+            if (i := bisect.bisect_left(released, got)) > 0]
     overtaken = 0
     for index, grants in per_worker.items():
-        others = [sorted(got for _, got in g) for i, g in per_worker.items() if i != index]
-        for began, got in grants:
+        others = [sorted(got for _, got, _ in g) for i, g in per_worker.items() if i != index]
+        for began, got, _ in grants:
             for times in others:
                 served = bisect.bisect_left(times, got) - bisect.bisect_right(times, began)
                 overtaken = max(overtaken, served)
@@ -149,6 +157,8 @@ def measure(kind: str, procs: int, hold: float, seconds: float, warmup: float) -
         "p99_ms": percentile(waits, 0.99) * 1e3,
         "max_ms": max(waits) * 1e3,
         "overtaken": overtaken,
+        "idle_p99_ms": percentile(idle, 0.99) * 1e3 if idle else 0.0,
+        "idle_max_ms": max(idle) * 1e3 if idle else 0.0,
         "jain": jain([float(len(g)) for g in per_worker.values()]),
         "wakeups": sum(r[2] for r in reports) / max(total, 1),
         "server_us": sum(r[3] for r in reports) / max(total, 1) * 1e6,
@@ -156,9 +166,16 @@ def measure(kind: str, procs: int, hold: float, seconds: float, warmup: float) -
     }
 
 
+def in_subprocess(*argv: str) -> None:
+    """Run this benchmark in a process of its own (run.py's full run: its Django settings
+    are configured already, with other databases)."""
+    subprocess.run([sys.executable, __file__, *argv], check=True)
+
+
 SUFFIX = "_waiters"
 COLUMNS = ("grants/s", "× A", "wait p50 ms", "wait p99 ms", "max wait ms", "overtaken",
-           "Jain", "wake-ups/release", "server CPU µs/grant", "client CPU µs/grant")
+           "Jain", "wake-ups/release", "server CPU µs/grant", "client CPU µs/grant",
+           "release→grant p99 / max ms")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label}, {procs} processes | {med('rate'):,.0f} | {vs_a:.2f} | "
               f"{med('p50_ms'):.1f} | {med('p99_ms'):.1f} | {med('max_ms'):.0f} | "
               f"{med('overtaken'):.0f} | {med('jain'):.3f} | {med('wakeups'):.2f} | "
-              f"{med('server_us'):.0f} | {med('client_us'):.0f} |")
+              f"{med('server_us'):.0f} | {med('client_us'):.0f} | "
+              f"{med('idle_p99_ms'):.1f} / {med('idle_max_ms'):.0f} |")
     return 0
 
 

@@ -35,9 +35,6 @@ from distlock.validation import (
 )
 from distlock.wakeups import Turn, Waiter, has_queue, poke, queue_for
 
-# pause_before_retry's attempt whose back-off is DISTLOCK_POLL_MAX_INTERVAL.
-QUEUED_ATTEMPT = 20
-
 P = ParamSpec("P")
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -157,10 +154,10 @@ def _wait_in_turn(
                 if waiter.free:
                     busy = None
                     continue  # freed before it queued: look again at once.
-            # Queued, a release hands the lock over and says so: the poll is only for an
-            # expiry (to just after it) and a lost message, so at its longest pause.
-            waiter.wait(pause_before_retry(QUEUED_ATTEMPT if waiter.listening else attempt,
-                                           busy, left))
+            if waiter.listening:
+                waiter.wait(waiter.queued_pause(busy, left))
+            else:
+                waiter.wait(pause_before_retry(attempt, busy, left))
             busy = None
             attempt += 1
     finally:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import threading
 import time
 from collections import deque
@@ -38,6 +39,7 @@ from django.db import DatabaseError, connections
 
 from distlock import db
 from distlock.backends import backend_for
+from distlock.backends.results import Busy
 from distlock.conf import conf
 
 
@@ -55,14 +57,35 @@ class Waiter:
         self.queued = ""
         # Did the lock look free once queued (freed before the entry could be seen)?
         self.free = False
+        # Waiters queued ahead of this one when it queued (see pause()).
+        self.ahead = 0
         if conf.WAKEUPS and self.backend.supports_wakeups():
             self.free = self._queue(True)
             self.raw = self.connection.connection
 
     def _queue(self, first: bool) -> bool:
-        queued, free = db.run(self.alias, "queue", self.name, first)
+        queued, free, self.ahead = db.run(self.alias, "queue", self.name, first)
         self.queued = str(queued)
         return bool(free)
+
+    def queued_pause(self, busy: Busy, left: float | None) -> float:
+        """How long a queued (listening) waiter waits before its next try after ``busy``.
+
+        A release hands the lock over and says so:
+        the poll is left only for what nobody announces — the holder's expiry (it still
+        wakes just after it) and a hand-off whose waiter never came (its window ends
+        unannounced). The first in the queue polls at DISTLOCK_POLL_MAX_INTERVAL, one
+        behind n others at n + 1 times that (n halved with each poll, as the queue moves
+        on), so 64 waiters do not poll 64 times as often as one.
+        """
+        stretch = 1 + self.ahead
+        self.ahead //= 2
+        pause = float(conf.POLL_MAX_INTERVAL) * stretch * random.uniform(0.5, 1.0)
+        if busy.remaining_us is not None:
+            pause = min(pause, busy.remaining_us / 1e6 + 0.001)
+        if left is not None:
+            pause = min(pause, left)
+        return max(pause, 0.0)
 
     @property
     def listening(self) -> bool:

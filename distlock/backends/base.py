@@ -373,10 +373,11 @@ class Backend(TokenFloorSQL):
         )
         return int(cursor.rowcount)
 
-    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool]:
+    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool, int]:
         """Queue for a hand-off of ``name`` (where supports_wakeups()); ``first``: the
-        first time in this wait. Returns the queue entry's id and whether the lock looked
-        free (a release before the entry could be seen: try at once)."""
+        first time in this wait. Returns the queue entry's id, whether the lock looked
+        free (a release before the entry could be seen: try at once) and how many
+        waiters are ahead."""
         raise NotImplementedError
 
     def unqueue(self, cursor: Any, name: str) -> None:

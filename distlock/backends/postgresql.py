@@ -190,13 +190,15 @@ class PostgreSQL(Backend):
         cursor.execute(_WAITING, [limit])
         return [(name, int(sessions), who) for name, sessions, who in cursor.fetchall()]
 
-    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool]:
+    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool, int]:
         """Join the queue of ``name``'s waiters (migration 0006's ``distlock_queue``; the
-        first time also LISTEN on this session's channel): the id a hand-off names, and
-        whether the lock looked free then (worth a try at once)."""
-        cursor.execute("SELECT queued, free FROM distlock_queue(%s, %s)", [name, first])
-        queued, free = cursor.fetchone()
-        return int(queued), bool(free)
+        first time also LISTEN on this session's channel): the id a hand-off names,
+        whether the lock looked free then (worth a try at once), and how many are ahead."""
+        cursor.execute(
+            "SELECT queued, free, ahead FROM distlock_queue(%s, %s)", [name, first]
+        )
+        queued, free, ahead = cursor.fetchone()
+        return int(queued), bool(free), int(ahead)
 
     def unqueue(self, cursor: Any, name: str) -> None:
         """Leave the queue; a reservation for this session that it did not take is handed

@@ -6,7 +6,7 @@ row, and the releasing process, already running, often won again (docs/performan
 "Hand-off to the oldest waiter").
 
 Now a blocking sync acquire queues (``distlock_queue``, which also says whether the lock
-is worth a try at once): a row in ``distlock_waiter``
+is worth a try at once and how many are ahead): a row in ``distlock_waiter``
 (unlogged: a registration is worth nothing after a crash), LISTEN on its session's own
 channel ``distlock_w<pid>``, a shared advisory lock (1684825969 "dlcq", hashtext(name))
 that tells releasers someone is queued and the overview who waits, and an exclusive one
@@ -37,7 +37,7 @@ from django.db import migrations
 
 from distlock.migrations._postgresql import ACQUIRE_0003, NOW_US, run_on_postgresql
 
-HANDOFF_WINDOW_US = 250_000
+HANDOFF_WINDOW_US = 1_000_000
 
 # The busy refusal, inserted before each of distlock_acquire's two busy checks: a lock
 # reserved for another session is busy until the window ends.
@@ -89,7 +89,7 @@ CREATE UNLOGGED TABLE IF NOT EXISTS distlock_waiter (
 CREATE INDEX IF NOT EXISTS distlock_waiter_name ON distlock_waiter (name, id);
 
 CREATE OR REPLACE FUNCTION distlock_queue(
-    p_name text, p_first boolean, OUT queued bigint, OUT free boolean
+    p_name text, p_first boolean, OUT queued bigint, OUT free boolean, OUT ahead integer
 ) LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     r distlock_lock%ROWTYPE;
@@ -111,6 +111,8 @@ BEGIN
     free := NOT FOUND OR NOT (
         (r.owner <> '' AND r.expires_us > now_us)
         OR (r.reserved_until_us > now_us AND r.reserved_pid <> pg_backend_pid()));
+    -- How many will be handed the lock first: the waiter polls the less often.
+    SELECT count(*) INTO ahead FROM distlock_waiter q WHERE q.name = p_name AND q.id < queued;
 END
 $$;
 
