@@ -166,6 +166,34 @@ def measure(kind: str, procs: int, hold: float, seconds: float, warmup: float) -
     }
 
 
+def notify_cost(listeners: int, count: int = 1000) -> tuple[float, float]:
+    """Server CPU µs per NOTIFY (listening sessions', the sender's) with ``listeners``
+    sessions each LISTENing on a channel of its own, one of them notified. PostgreSQL
+    (before 19) signals every listening backend of the database on each NOTIFY, and each
+    reads the queue in a transaction of its own: the part of a hand-off that grows with
+    the number of waiters although one client is woken."""
+    import psycopg
+
+    conninfo = dbs.pg_conninfo(SUFFIX)
+    sessions = [psycopg.connect(conninfo, autocommit=True) for _ in range(listeners + 1)]
+    try:
+        sender, *listening = sessions
+        for number, session in enumerate(listening):
+            session.execute(f"LISTEN probe_{number}")
+        pids = [session.info.backend_pid for session in listening]
+        from benchmarks.cpu_split import cpu_seconds
+
+        before, sent = sum(map(cpu_seconds, pids)), cpu_seconds(sender.info.backend_pid)
+        for _ in range(count):
+            sender.execute("SELECT pg_notify('probe_0', '')")
+        time.sleep(1.0)  # the signalled backends read the queue after the sender returns
+        return ((sum(map(cpu_seconds, pids)) - before) / count * 1e6,
+                (cpu_seconds(sender.info.backend_pid) - sent) / count * 1e6)
+    finally:
+        for session in sessions:
+            session.close()
+
+
 def in_subprocess(*argv: str) -> None:
     """Run this benchmark in a process of its own (run.py's full run: its Django settings
     are configured already, with other databases)."""
@@ -231,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{med('overtaken'):.0f} | {med('jain'):.3f} | {med('wakeups'):.2f} | "
               f"{med('server_us'):.0f} | {med('client_us'):.0f} | "
               f"{med('idle_p99_ms'):.1f} / {med('idle_max_ms'):.0f} |")
+    print("\nNOTIFY's own server CPU (µs per NOTIFY), by listening sessions:")
+    for listeners in (1, 8, args.many):
+        woken, sender = notify_cost(listeners)
+        print(f"- {listeners} listening: theirs {woken:.0f}, the sender's {sender:.0f}")
     return 0
 
 
