@@ -57,7 +57,7 @@ class Waiter:
         self.queued = ""
         # Did the lock look free once queued (freed before the entry could be seen)?
         self.free = False
-        # Waiters queued ahead of this one when it queued (see pause()).
+        # Waiters queued ahead of this one when it queued (see queued_pause()).
         self.ahead = 0
         if conf.WAKEUPS and self.backend.supports_wakeups():
             self.free = self._queue(True)
@@ -71,10 +71,9 @@ class Waiter:
     def queued_pause(self, busy: Busy, left: float | None) -> float:
         """How long a queued (listening) waiter waits before its next try after ``busy``.
 
-        A release hands the lock over and says so:
-        the poll is left only for what nobody announces — the holder's expiry (it still
-        wakes just after it) and a hand-off whose waiter never came (its window ends
-        unannounced). The first in the queue polls at DISTLOCK_POLL_MAX_INTERVAL, one
+        A release hands the lock over and says so: the poll is left only for what nobody
+        announces — the holder's expiry (it still wakes just after it) and a hand-off
+        whose waiter never came (its window ends unannounced). The first in the queue polls at DISTLOCK_POLL_MAX_INTERVAL, one
         behind n others at n + 1 times that (n halved with each poll, as the queue moves
         on), so 64 waiters do not poll 64 times as often as one.
         """
