@@ -73,9 +73,10 @@ class Waiter:
 
         A release hands the lock over and says so: the poll is left only for what nobody
         announces — the holder's expiry (it still wakes just after it) and a hand-off
-        whose waiter never came (its window ends unannounced). The first in the queue polls at DISTLOCK_POLL_MAX_INTERVAL, one
-        behind n others at n + 1 times that (n halved with each poll, as the queue moves
-        on), so 64 waiters do not poll 64 times as often as one.
+        whose waiter never came (its window ends unannounced). The first in the queue
+        polls at DISTLOCK_POLL_MAX_INTERVAL, one behind n others at n + 1 times that (n
+        halved with each poll, as the queue moves on), so 64 waiters do not poll 64
+        times as often as one.
         """
         stretch = 1 + self.ahead
         self.ahead //= 2
