@@ -152,10 +152,13 @@ def _wait_in_turn(
                 return None
             if waiter is None:
                 waiter = Waiter(request.alias, request.name, turn.freed)
-                if waiter.listening:
+                if waiter.free:
                     busy = None
-                    continue  # freed before the LISTEN took effect? Look again at once.
-            waiter.wait(pause_before_retry(attempt, busy, left))
+                    continue  # freed before it queued: look again at once.
+            if waiter.listening:
+                waiter.wait(waiter.queued_pause(busy, left))
+            else:
+                waiter.wait(pause_before_retry(attempt, busy, left))
             busy = None
             attempt += 1
     finally:

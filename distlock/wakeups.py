@@ -1,14 +1,17 @@
 """Waking blocking acquires when the lock is freed: LISTEN/NOTIFY on PostgreSQL.
 
 A blocking ``acquire()`` that is refused waits before its next try. On PostgreSQL (with
-psycopg 3 and ``DISTLOCK_WAKEUPS`` on) it first registers on its own connection to the
-lock's database (``distlock_listen``: LISTEN on the lock's channel and a shared advisory
-lock that tells releasers someone waits), tries once more at once (the lock may have
-been freed before the LISTEN), and then waits for a notification *or* the usual back-off
-pause, whichever comes first. Releases and breaks notify only when someone waits. So a
-waiter gets a freed lock one round trip after the release instead of after its pause,
-and the polling stays as the fallback: for expiry (nobody notifies when a holder dies)
-and for anything that went wrong with a notification.
+psycopg 3 and ``DISTLOCK_WAKEUPS`` on) it first joins the name's queue of waiters on its
+own connection to the lock's database (``distlock_queue``, migration 0007: a row in
+``distlock_waiter``, LISTEN on the session's own channel, advisory locks that say someone
+is queued and that this session is alive), tries once more at once (the lock may have
+been freed before it queued), and then waits for its hand-off *or* the usual back-off
+pause, whichever comes first. A release or break with waiters reserves the freed lock for
+the oldest live waiter for a short grant window and notifies only that one; everyone
+else's tries are refused until it takes the grant or the window ends. So one waiter is
+woken per release, served in the order they queued, and the releasing process cannot
+win it back; the polling stays as the fallback: for expiry (nobody notifies when a
+holder dies) and for anything that went wrong with a notification.
 
 Elsewhere (MariaDB, SQLite, psycopg 2, wake-ups off) waiting is a plain sleep.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import threading
 import time
 from collections import deque
@@ -35,6 +39,7 @@ from django.db import DatabaseError, connections
 
 from distlock import db
 from distlock.backends import backend_for
+from distlock.backends.results import Busy
 from distlock.conf import conf
 
 
@@ -48,9 +53,39 @@ class Waiter:
         self.connection = connections[alias]
         self.raw: Any = None
         self.backend = backend_for(self.connection)
+        # The queue entry a hand-off names; "" once the hand-off came (the entry is gone).
+        self.queued = ""
+        # Did the lock look free once queued (freed before the entry could be seen)?
+        self.free = False
+        # Waiters queued ahead of this one when it queued (see queued_pause()).
+        self.ahead = 0
         if conf.WAKEUPS and self.backend.supports_wakeups():
-            db.run(alias, "listen", name)
+            self.free = self._queue(True)
             self.raw = self.connection.connection
+
+    def _queue(self, first: bool) -> bool:
+        queued, free, self.ahead = db.run(self.alias, "queue", self.name, first)
+        self.queued = str(queued)
+        return bool(free)
+
+    def queued_pause(self, busy: Busy, left: float | None) -> float:
+        """How long a queued (listening) waiter waits before its next try after ``busy``.
+
+        A release hands the lock over and says so: the poll is left only for what nobody
+        announces — the holder's expiry (it still wakes just after it) and a hand-off
+        whose waiter never came (its window ends unannounced). The first in the queue
+        polls at DISTLOCK_POLL_MAX_INTERVAL, one behind n others at n + 1 times that (n
+        halved with each poll, as the queue moves on), so 64 waiters do not poll 64
+        times as often as one.
+        """
+        stretch = 1 + self.ahead
+        self.ahead //= 2
+        pause = float(conf.POLL_MAX_INTERVAL) * stretch * random.uniform(0.5, 1.0)
+        if busy.remaining_us is not None:
+            pause = min(pause, busy.remaining_us / 1e6 + 0.001)
+        if left is not None:
+            pause = min(pause, left)
+        return max(pause, 0.0)
 
     @property
     def listening(self) -> bool:
@@ -66,15 +101,21 @@ class Waiter:
                 self.freed.wait(seconds)
                 self.freed.clear()
             return
-        self.backend.wait_for_wakeup(self.connection, seconds)
+        if not self.queued and self._queue(False):
+            # Handed the lock and still refused (the window ran out before the try): to
+            # the back of the queue again, or at once to a try if it is free by now.
+            return
+        if self.backend.wait_for_handoff(self.connection, seconds, self.queued):
+            self.queued = ""
 
     def stop(self) -> None:
         """Stop listening (the acquire got the lock, gave up or failed)."""
         if self.listening:
-            # A connection that broke meanwhile dropped the LISTEN and the advisory lock
-            # with its session; the next operation replaces it.
+            # A connection that broke meanwhile dropped the LISTEN, the advisory locks and
+            # (with its session's "alive" lock) its place in the queue; the next operation
+            # replaces it.
             with contextlib.suppress(DatabaseError):
-                db.run(self.alias, "unlisten", self.name)
+                db.run(self.alias, "unqueue", self.name)
         self.raw = None
 
 

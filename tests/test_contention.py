@@ -19,7 +19,7 @@ from distlock.exceptions import TransactionNotAllowed
 from distlock.models import Lock
 from distlock.wakeups import queued
 from tests.support.helpers import wait_until
-from tests.support.pgbouncer import WAKEUP_CLASS
+from tests.support.pgbouncer import QUEUE_CLASS, WAKEUP_CLASS
 from tests.support.processes import LIBFAKETIME, skewed_clock_env
 
 pytestmark = pytest.mark.processes
@@ -213,13 +213,13 @@ QUEUED = 6
 
 def _listening_waiters() -> int:
     """PostgreSQL sessions of this test database registered as waiting (distlock_listen's
-    shared advisory lock); other test runs on the server are not counted."""
+    or distlock_queue's shared advisory lock); other test runs on the server are not counted."""
     with connections["default"].cursor() as cursor:
         cursor.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
-            "AND mode = 'ShareLock' AND granted AND database = "
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+            "AND classid = ANY(%s::oid[]) AND mode = 'ShareLock' AND granted AND database = "
             "(SELECT oid FROM pg_database WHERE datname = current_database())",
-            [WAKEUP_CLASS],
+            [[WAKEUP_CLASS, QUEUE_CLASS]],
         )
         return int(cursor.fetchone()[0])
 

@@ -42,7 +42,7 @@ def test_the_sweep_sees_each_kind_of_session_state_a_client_leaves_behind():
     pooler = Server("127.0.0.1", int(connection.settings_dict["PORT"]),
                     Server.from_url(settings.PGBOUNCER).user)
     with pooler.connect(str(connection.settings_dict["NAME"])) as raw:
-        raw.execute("SELECT distlock_listen('stranded')")  # what a sync waiter does
+        raw.execute("SELECT distlock_listen('stranded')")  # what an async waiter does
         raw.execute("SET lock_timeout = '5s'")
         assert raw.pgconn.prepare(b"stranded_statement", b"SELECT 1").error_message == b""
     found = pooled_sweep(reset=True)

@@ -6,11 +6,14 @@ time from release to grant tells whether the notification or the poll woke it.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from django.db import connection
 
 from distlock import acquire, break_lock
 from distlock.db import db_now_us
+from tests.support.helpers import wait_until
 
 pytestmark = [
     pytest.mark.usefixtures("lock_db"),
@@ -22,6 +25,7 @@ pytestmark = [
 
 POLL = 6.0  # the waiter's pause: 3-6 s with jitter
 WAKEUP_CLASS = 1684825963
+QUEUE_CLASS = 1684825969  # distlock_queue's "someone is queued" (migration 0007)
 
 
 def _raw():
@@ -35,11 +39,11 @@ def _raw():
 
 
 def _registered(raw, pid: int) -> bool:
-    """Whether backend ``pid`` holds the shared advisory lock that says "someone waits"."""
+    """Whether backend ``pid`` holds the shared advisory lock that says "someone is queued"."""
     return raw.execute(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
         "AND mode = 'ShareLock' AND granted AND pid = %s",
-        [WAKEUP_CLASS, pid],
+        [QUEUE_CLASS, pid],
     ).fetchone()[0] == 1
 
 
@@ -113,3 +117,122 @@ def test_waiting_leaves_no_listen_or_advisory_lock_behind(children):
     assert lease.release() is True
     holder.send("release")
     assert holder.expect("released")["held"] is False
+
+
+# -- the hand-off: one waiter woken per release, in the order they queued (migration 0007) --
+
+IN_LINE = "tests.support.handoff_workers:in_line"
+
+
+def _queued(raw, name: str) -> list[int]:
+    """The backend pids queued for ``name``, oldest first."""
+    return [pid for (pid,) in raw.execute(
+        "SELECT pid FROM distlock_waiter WHERE name = %s ORDER BY id", [name]
+    )]
+
+
+def _line_up(children, raw, name: str, count: int, grants: int) -> list:
+    """``count`` in_line workers, queued for ``name`` one after another (in that order)."""
+    workers = [children.start(IN_LINE, name, grants, 120.0) for _ in range(count)]
+    pids = [worker.expect("ready", timeout=60)["backend_pid"] for worker in workers]
+    for number, worker in enumerate(workers):
+        worker.send("go")
+        wait_until(lambda n=number: _queued(raw, name) == pids[: n + 1], 30,
+                   f"waiter {number} queued behind the others")
+    return workers
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_each_release_wakes_one_waiter_and_they_are_served_in_turn(children):
+    """6 waiting processes, 3 grants each: every release notifies one of them (never all),
+    the lock goes round in the order they queued, and tokens rise by one per grant."""
+    count, grants = 6, 3
+    holder = acquire("line", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "line", count, grants)
+        assert holder.release() is True
+        got = [(event["token"], number) for number, worker in enumerate(workers)
+               for event in (worker.expect("acquired", timeout=60) for _ in range(grants))]
+        notified = [worker.expect("done", timeout=60)["notified"] for worker in workers]
+        wait_until(lambda: _queued(raw, "line") == [], 30, "the queue emptied")
+    finally:
+        raw.close()
+    got.sort()
+    assert [token for token, _ in got] == list(range(holder.token + 1,
+                                                     holder.token + 1 + count * grants))
+    # Woken once per hand-off: at most one notification per release (the holder's and
+    # the workers' own), and most grants came by one (not by the 0.5-1 s poll).
+    releases = 1 + count * grants
+    assert sum(notified) <= releases, f"{notified}: more wake-ups than releases"
+    assert sum(notified) >= count * grants // 2, f"{notified}: the grants came by polling"
+    # First come, first served (a window that ran out under load may let one poller
+    # ahead): while one waits, nobody else is served more than twice.
+    order = [number for _, number in got]
+    for position, number in enumerate(order):
+        later = order[position + 1:]
+        upto = later.index(number) if number in later else len(later)
+        between = later[:upto]
+        assert all(between.count(other) <= 2 for other in set(between)), (
+            f"grant order {order}: waiter {number} was overtaken twice by one other")
+    for worker in workers:
+        assert worker.finish() == 0
+
+
+def _reservation(raw, name: str) -> tuple[int, int]:
+    row = raw.execute("SELECT reserved_pid, reserved_until_us FROM distlock_lock "
+                      "WHERE name = %s", [name]).fetchone()
+    return int(row[0]), int(row[1])
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiter queues on a session of its own")
+def test_a_paused_waiter_holds_the_handed_lock_only_for_the_window(children):
+    """The release hands the lock to a SIGSTOPped waiter: every other try is refused while
+    the window is open (a blocking=False one too), and the window's end frees it."""
+    holder = acquire("paused", ttl=60)
+    raw = _raw()
+    try:
+        (waiter,) = _line_up(children, raw, "paused", 1, 1)
+        pid = _queued(raw, "paused")[0]
+        waiter.signal(signal.SIGSTOP)
+        assert holder.release() is True
+        reserved_pid, until_us = _reservation(raw, "paused")
+        assert reserved_pid == pid and until_us > 0
+        refused = acquire("paused", ttl=30, blocking=False)
+        refused_at = db_now_us("default")
+        assert refused is None and refused_at < until_us, "taken inside the window"
+        lease = wait_until(lambda: acquire("paused", ttl=30, blocking=False), 30,
+                           "the window ended")
+        taken_at = db_now_us("default")
+        assert until_us <= taken_at < until_us + 2_000_000
+        assert lease.token == holder.token + 1
+        waiter.signal(signal.SIGCONT)
+        assert lease.release() is True
+        assert waiter.expect("acquired", timeout=60)["token"] == lease.token + 1
+        assert waiter.expect("done", timeout=60)["notified"] >= 1
+    finally:
+        raw.close()
+    assert waiter.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_killed_waiter_is_skipped_and_the_next_one_is_handed_the_lock(children):
+    holder = acquire("killed", ttl=60)
+    raw = _raw()
+    try:
+        first, second = _line_up(children, raw, "killed", 2, 1)
+        dead = _queued(raw, "killed")[0]
+        first.kill()
+        wait_until(lambda: raw.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                       [dead]).fetchone()[0] == 0, 30, "the session ended")
+        assert holder.release() is True
+        got = second.expect("acquired", timeout=60)
+        assert got["token"] == holder.token + 1
+        assert second.expect("done", timeout=60)["notified"] == 1
+        assert _queued(raw, "killed") == []
+    finally:
+        raw.close()
+    assert second.finish() == 0

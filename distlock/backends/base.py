@@ -141,8 +141,11 @@ class Backend(TokenFloorSQL):
         """Can a waiting acquire be woken by a release (see wakeups.py)?"""
         return False
 
-    def wait_for_wakeup(self, connection: BaseDatabaseWrapper, seconds: float) -> None:
-        """Wait up to ``seconds`` for a notification on a connection that listens."""
+    def wait_for_handoff(
+        self, connection: BaseDatabaseWrapper, seconds: float, queued: str
+    ) -> bool:
+        """Wait up to ``seconds`` on a queued connection for the hand-off to queue entry
+        ``queued``; True if it came."""
         raise NotImplementedError
 
     def waiting(self, cursor: Any, limit: int) -> list[tuple[str, int, str]] | None:
@@ -375,10 +378,13 @@ class Backend(TokenFloorSQL):
         )
         return int(cursor.rowcount)
 
-    def listen(self, cursor: Any, name: str) -> None:
-        """Be woken by the next release or break of ``name`` (where supports_wakeups())."""
+    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool, int]:
+        """Queue for a hand-off of ``name`` (where supports_wakeups()); ``first``: the
+        first time in this wait. Returns the queue entry's id, whether the lock looked
+        free (a release before the entry could be seen: try at once) and how many
+        waiters are ahead."""
         raise NotImplementedError
 
-    def unlisten(self, cursor: Any, name: str) -> None:
-        """Undo :meth:`listen`."""
+    def unqueue(self, cursor: Any, name: str) -> None:
+        """Undo :meth:`queue` (every entry of this session for ``name``)."""
         raise NotImplementedError

@@ -9,9 +9,8 @@ statements (:class:`_BoundCursor`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import secrets
+import time
 from typing import Any, ClassVar
 
 from django.db import DatabaseError
@@ -19,7 +18,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends import pg_collation
 from distlock.backends.base import Backend
-from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
+from distlock.backends.results import OK, RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE, MAX_TOKEN
 
@@ -130,7 +129,7 @@ class PostgreSQL(Backend):
     # FOR SHARE conflicts with the FOR UPDATE of acquire, renew, release and break.
     share_lock = " FOR SHARE"
     one_statement: ClassVar[frozenset[str]] = frozenset(
-        {"acquire_existing", "renew", "release", "holds", "listen", "unlisten"}
+        {"acquire_existing", "renew", "release", "holds", "queue", "unqueue"}
     )
     # Migration 0002's distlock_holds(): the same locking read as owner_check_sql().
     folded_owner_check_sql = "(SELECT distlock_holds(%s, %s, %s::bigint))"
@@ -178,15 +177,10 @@ class PostgreSQL(Backend):
     def supports_wakeups(self) -> bool:
         return is_psycopg3()
 
-    def wait_for_wakeup(self, connection: BaseDatabaseWrapper, seconds: float) -> None:
-        # Only this lock's channel is listened to, so any notification is for it.
-        with connection.wrap_database_errors:
-            for _ in connection.connection.notifies(timeout=seconds, stop_after=1):
-                break
-
     def waiting(self, cursor: Any, limit: int) -> list[tuple[str, int, str]] | None:
-        """Waiters hold a shared advisory lock (1684825963, hashtext(name)) while they
-        wait (``distlock_listen``), so ``pg_locks`` lists them, one row per waiting
+        """Waiters hold a shared advisory lock (1684825963 or, queued sync waiters,
+        1684825969, hashtext(name)) while they wait (``distlock_listen``,
+        ``distlock_queue``), so ``pg_locks`` lists them, one row per waiting
         session (a process, or an event loop for all its coroutines). The keys are
         matched to names among the lock rows that are not free, read through the index
         of the owned rows (``owner > ''``, migration 0005), and only when someone waits."""
@@ -196,15 +190,35 @@ class PostgreSQL(Backend):
         cursor.execute(_WAITING, [limit])
         return [(name, int(sessions), who) for name, sessions, who in cursor.fetchall()]
 
-    def listen(self, cursor: Any, name: str) -> None:
-        """LISTEN on the lock's channel, and a shared advisory lock that tells releasers
-        someone waits (``distlock_listen``)."""
-        cursor.execute("SELECT distlock_listen(%s)", [name])
+    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool, int]:
+        """Join the queue of ``name``'s waiters (migration 0007's ``distlock_queue``; the
+        first time also LISTEN on this session's channel): the id a hand-off names,
+        whether the lock looked free then (worth a try at once), and how many are ahead."""
+        cursor.execute(
+            "SELECT queued, free, ahead FROM distlock_queue(%s, %s)", [name, first]
+        )
+        queued, free, ahead = cursor.fetchone()
+        return int(queued), bool(free), int(ahead)
+
+    def unqueue(self, cursor: Any, name: str) -> None:
+        """Leave the queue; a reservation for this session that it did not take is handed
+        on to the next waiter (``distlock_unqueue``)."""
+        cursor.execute("SELECT distlock_unqueue(%s)", [name])
         cursor.fetchone()
 
-    def unlisten(self, cursor: Any, name: str) -> None:
-        cursor.execute("SELECT distlock_unlisten(%s)", [name])
-        cursor.fetchone()
+    def wait_for_handoff(
+        self, connection: BaseDatabaseWrapper, seconds: float, queued: str
+    ) -> bool:
+        """Wait up to ``seconds`` for the hand-off to queue entry ``queued``: True when it
+        came. Others on this session's channel are left-overs of earlier waits (a grant
+        taken by polling while the hand-off was on its way): skipped."""
+        deadline = time.monotonic() + seconds
+        with connection.wrap_database_errors:
+            while (left := deadline - time.monotonic()) > 0:
+                for notify in connection.connection.notifies(timeout=left, stop_after=1):
+                    if notify.payload == queued:
+                        return True
+        return False
 
     def broken(self, cursor: Any, name: str) -> None:
         cursor.execute("SELECT distlock_wake(%s)", [name])
@@ -255,6 +269,8 @@ class PostgreSQL(Backend):
         with connection.cursor() as cursor:
             cursor.execute("SHOW transaction_isolation")
             found = f"session isolation level is {cursor.fetchone()[0]}"
+        from distlock.backends.pg_pooler import pooler_findings
+
         return [(OK, f"{found}; serialization failures are retried"), *pooler_findings(connection)]
 
     def owned_index_sql(self, create: bool) -> str:
@@ -280,11 +296,13 @@ class PostgreSQL(Backend):
         )
 
 
-# Waiting sessions' advisory locks (migration 0002's distlock_listen): classid is the
-# first key ("dlck"), objid the second, hashtext(name) read as an unsigned 32-bit number.
+# Waiting sessions' advisory locks (migration 0002's distlock_listen, "dlck", and 0007's
+# distlock_queue, "dlcq"): classid is the first key, objid the second, hashtext(name)
+# read as an unsigned 32-bit number.
 _WAITERS = (
     "SELECT l.objid::bigint AS key, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "
-    "AND l.classid = 1684825963 AND l.objsubid = 2 AND l.mode = 'ShareLock' AND l.granted "
+    "AND l.classid IN (1684825963, 1684825969) AND l.objsubid = 2 AND l.mode = 'ShareLock' "
+    "AND l.granted "
     "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
 )
 _WAITING = (
@@ -307,94 +325,6 @@ def release(
     )
     held, released_us = cursor.fetchone()
     return bool(held), released_us
-
-
-# -- distlock_doctor: is a transaction pooler (PgBouncer) between us and the server? -------
-
-_PID = "SELECT pg_backend_pid()"
-
-
-def _backend_pid(raw: Any) -> int:
-    """The pid of the server backend that ran this statement. Not ``info.backend_pid``:
-    that comes from the connection's start-up, where a pooler answers for the server."""
-    return int(raw.execute(_PID).fetchone()[0])
-
-
-def probe_pooler(connection: BaseDatabaseWrapper) -> tuple[str | None, bool | None]:
-    """(evidence of transaction pooling or None, whether prepared statements stray).
-
-    Two new connections with the alias's settings, in autocommit, ask for their backend
-    pid in turn. Straight to the server (or through a session pooler) each keeps its own
-    backend for life; behind a transaction pooler each statement borrows a pooled server
-    connection, so one connection's pid changes, or both are served by one backend
-    (PgBouncer hands out the most recently used idle server connection first, so with one
-    client at a time the second gets the first's). Stateless, so it strands nothing.
-
-    Only when pooled, prepared statements: the first connection prepares one under a
-    random name and the second runs it by that name. A pooler that tracks them per client
-    (PgBouncer 1.21+ with ``max_prepared_statements``) refuses; one that does not lets the
-    second run the first's statement (it is on that server connection), or loses it from
-    the first's next transactions: True. It is deallocated again, where it can be reached.
-    """
-    import psycopg
-
-    params = dict(connection.get_connection_params())
-    for key in ("cursor_factory", "context"):  # Django's sync connection's own
-        params.pop(key, None)
-    with psycopg.connect(autocommit=True, **params) as first, \
-            psycopg.connect(autocommit=True, **params) as second:
-        evidence = None
-        for _ in range(3):
-            a1, b, a2 = (_backend_pid(raw) for raw in (first, second, first))
-            if a1 != a2:
-                evidence = f"one connection's backend pid changed from {a1} to {a2}"
-            elif b == a1:
-                evidence = f"two connections were served by the same backend (pid {b})"
-            if evidence:
-                break
-        if evidence is None:
-            return evidence, None
-        name = f"distlock_doctor_{secrets.token_hex(8)}".encode()
-        first.pgconn.prepare(name, _PID.encode())
-        strays = second.pgconn.exec_prepared(name, None).ntuples == 1 or any(
-            first.pgconn.exec_prepared(name, None).ntuples != 1 for _ in range(3)
-        )
-        for raw in (second, first):
-            with contextlib.suppress(psycopg.Error):
-                raw.execute(f"DEALLOCATE {name.decode()}")
-        return evidence, strays
-
-
-def pooler_findings(connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
-    """distlock_doctor's lines on connection pooling, with the settings it needs."""
-    if not is_psycopg3():
-        return [(OK, "psycopg 2: no wake-ups and no prepared statements (nothing a "
-                     "transaction pooler could strand); pooling not probed")]
-    try:
-        evidence, strays = probe_pooler(connection)
-    except Exception as exc:  # noqa: BLE001 - the doctor reports, it does not crash
-        return [(WARN, f"could not probe for a connection pooler: {exc}")]
-    if evidence is None:
-        return [(OK, "no transaction pooler: each connection kept its own server session")]
-    found = [(OK, f"a transaction pooler (such as PgBouncer with pool_mode = transaction) "
-                  f"is between distlock and the server: {evidence}")]
-    if conf.WAKEUPS:
-        found.append((FAIL, "set DISTLOCK_WAKEUPS = False: a waiting acquire's LISTEN and "
-                            "advisory lock would stay on a pooled server connection"))
-    else:
-        found.append((OK, "DISTLOCK_WAKEUPS is False: waiting acquires poll"))
-    if strays and conf.PREPARE_STATEMENTS:
-        found.append((FAIL, "set DISTLOCK_PREPARE_STATEMENTS = False: this pooler lets one "
-                            "connection's prepared statements reach another (PgBouncer "
-                            "before 1.21, or max_prepared_statements = 0)"))
-    elif strays:
-        found.append((OK, "DISTLOCK_PREPARE_STATEMENTS is False: distlock prepares nothing "
-                          "(this pooler does not keep prepared statements per connection)"))
-    else:
-        found.append((OK, "this pooler keeps prepared statements per connection (as "
-                          "PgBouncer 1.21+ with max_prepared_statements > 0 does): "
-                          f"DISTLOCK_PREPARE_STATEMENTS = {conf.PREPARE_STATEMENTS} is safe"))
-    return found
 
 
 BACKEND = PostgreSQL

@@ -20,32 +20,10 @@ from django.db import migrations, models
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
 
-from distlock.migrations._postgresql import ACQUIRE_0002, execute_on_postgresql
+from distlock.migrations._postgresql import ACQUIRE_0002, ACQUIRE_0003, execute_on_postgresql
 
-# 0002's first-use step of distlock_acquire, and 0003's. The rest of the function is
-# 0002's unchanged, so 0003's version is written as this one change to it.
-FIRST_USE_0002 = """
-            -- First use of the name: start above every token in the table (purge keeps
-            -- the row that holds the largest one).
-            SELECT COALESCE(MAX(l.token), 0) INTO top FROM distlock_lock l;
-"""
-FIRST_USE = """
-            -- (0003) First use of the name: start above the token floor, which purge
-            -- raises to every token it deletes. The share lock holds to the end of the
-            -- statement's transaction, and purge raises the floor under FOR UPDATE: no
-            -- purge can delete a fresh row of this name and raise the floor between this
-            -- read and the INSERT below, which would then give that row's token again.
-            SELECT f.token INTO top FROM distlock_floor f WHERE f.id = 1 FOR SHARE;
-            IF NOT FOUND THEN
-                -- Emptied by a flush: put back what new rows started above before 0003.
-                INSERT INTO distlock_floor AS f (id, token)
-                VALUES (1, (SELECT COALESCE(MAX(l.token), 0) FROM distlock_lock l))
-                ON CONFLICT (id) DO NOTHING;
-                SELECT f.token INTO top FROM distlock_floor f WHERE f.id = 1 FOR SHARE;
-            END IF;
-"""
-assert ACQUIRE_0002.count(FIRST_USE_0002) == 1, "0002's first-use step moved"
-ACQUIRE = ACQUIRE_0002.replace(FIRST_USE_0002, FIRST_USE)
+# 0003's distlock_acquire: 0002's with a new first-use step (both in _postgresql.py).
+ACQUIRE = ACQUIRE_0003
 
 
 def forwards(apps: StateApps, schema_editor: BaseDatabaseSchemaEditor) -> None:

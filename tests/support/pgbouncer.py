@@ -37,6 +37,11 @@ from tests.support.helpers import wait_until
 
 # distlock_listen's advisory lock key space (migration 0002): (1684825963 = "dlck", hash).
 WAKEUP_CLASS = 1684825963
+# distlock_queue's (migration 0006): "someone is queued" (1684825969 = "dlcq", hash) and
+# "this waiting session is alive" (1684825975 = "dlcw", pid).
+QUEUE_CLASS = 1684825969
+ALIVE_CLASS = 1684825975
+WAITING_CLASSES = [WAKEUP_CLASS, QUEUE_CLASS, ALIVE_CLASS]
 # PgBouncer tracks protocol-level prepared statements per client from 1.21
 # (max_prepared_statements); before, a statement prepared by one client stays on the server
 # connection for whoever gets it next.
@@ -329,16 +334,16 @@ def sweep(bouncer_port: int, server: Server, dbname: str, *, reset: bool = False
                 client.rollback()
             client.close()
     with server.connect("postgres") as direct:
-        for pid, datname, objid, mode in direct.execute(
-            "SELECT pid, datname, objid, mode FROM pg_locks JOIN pg_database d "
-            "ON d.oid = pg_locks.database WHERE locktype = 'advisory' AND classid = %s "
-            "AND datname = %s",
-            [WAKEUP_CLASS, dbname],
+        for pid, datname, classid, objid, mode in direct.execute(
+            "SELECT pid, datname, classid, objid, mode FROM pg_locks JOIN pg_database d "
+            "ON d.oid = pg_locks.database WHERE locktype = 'advisory' "
+            "AND classid = ANY(%s::oid[]) AND datname = %s",
+            [WAITING_CLASSES, dbname],
         ):
             if pid in result.servers:
                 continue  # reported from inside that session above
             result.stranded.append(f"server pid {pid} ({datname}): distlock advisory lock "
-                                   f"{WAKEUP_CLASS}/{objid} {mode}")
+                                   f"{classid}/{objid} {mode}")
         for pid, query in direct.execute(
             "SELECT pid, query FROM pg_stat_activity WHERE datname = %s "
             "AND state LIKE 'idle in transaction%%'", [dbname],
