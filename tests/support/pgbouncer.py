@@ -37,7 +37,7 @@ from tests.support.helpers import wait_until
 
 # distlock_listen's advisory lock key space (migration 0002): (1684825963 = "dlck", hash).
 WAKEUP_CLASS = 1684825963
-# distlock_queue's (migration 0006): "someone is queued" (1684825969 = "dlcq", hash) and
+# distlock_queue's (migration 0007): "someone is queued" (1684825969 = "dlcq", hash) and
 # "this waiting session is alive" (1684825975 = "dlcw", pid).
 QUEUE_CLASS = 1684825969
 ALIVE_CLASS = 1684825975
