@@ -17,9 +17,11 @@ from distlock.conf import conf
 
 
 def is_psycopg3() -> bool:
-    from distlock.backends.postgresql import is_psycopg3 as check
+    # Django's own answer (as postgresql.is_psycopg3 gives it), imported here rather than
+    # from postgresql.py, which imports this module: no import cycle.
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
-    return check()
+    return is_psycopg3
 
 
 _PID = "SELECT pg_backend_pid()"
