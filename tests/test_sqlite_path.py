@@ -352,3 +352,19 @@ def test_a_take_over_committed_while_the_folded_write_waits_refuses_it(holder):
     assert len(outcome) == 1 and isinstance(outcome[0], StaleToken), outcome
     row = Resource.objects.get(name="held:row")
     assert (row.value, row.fence_token) == (0, 0)
+
+
+def test_the_fallback_keeps_the_take_over_boundary_and_the_token_floor(old_sqlite, monkeypatch):
+    """The portable steps of backends/base.py run on SQLite only as its fallback (SQLite <
+    3.35; MariaDB runs procedures, PostgreSQL functions): the boundary and floor tests of
+    the one-statement path, run again through them, hold them to the same promises."""
+    from tests import test_boundaries, test_locks
+
+    clock = test_boundaries.Clock()
+    backend = backend_for(connections["default"])
+    real = backend.now_sql
+    monkeypatch.setattr(
+        backend, "now_sql", lambda: real() if clock.us is None else str(clock.us)
+    )
+    test_locks.test_purge_keeps_tokens_increasing()  # first: it wants an empty table
+    test_boundaries.test_take_over_is_refused_until_expiry_and_granted_at_it(clock)
