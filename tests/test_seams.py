@@ -184,7 +184,10 @@ def prepare_lock_op(op: str, name: str) -> dict[str, Any]:
     if op in ("renew", "release", "break"):
         return {"lease": acquire(name, ttl=30)}
     if op == "auto_renew":
-        lease = acquire(name, ttl=0.6, auto_renew=True)
+        # 1.5 s: the renewer's first renewal (a new thread, so a new connection) is due at
+        # 0.5 s and has a second to commit. With 0.6 s it had 0.4 s, which a loaded CI
+        # machine's connection set-up exceeded (the lease was lost, not renewed).
+        lease = acquire(name, ttl=1.5, auto_renew=True)
         return {"lease": lease, "expires": lease.expires_at}
     if op == "purge":
         acquire(name, ttl=30)
@@ -211,7 +214,7 @@ def run_lock_op(op: str, name: str, prep: dict[str, Any]) -> Any:
         lease = prep["lease"]
         if connections["default"].vendor != "sqlite" or not transaction.get_connection(
         ).in_atomic_block:
-            wait_until(lambda: lease.expires_at > prep["expires"], 5, "a renewal")
+            wait_until(lambda: lease.expires_at > prep["expires"], 10, "a renewal")
         return lease
     if op == "release":
         assert prep["lease"].release() is True
@@ -246,7 +249,7 @@ def test_lock_operation(op: str, context: str, alias: str, setup: Any, grants: l
             held = [result] if isinstance(result, Lease) else []
             if op == "auto_renew":
                 lease = prep["lease"]
-                wait_until(lambda: lease.expires_at > prep["expires"], 5, "a renewal")
+                wait_until(lambda: lease.expires_at > prep["expires"], 10, "a renewal")
                 assert not lease.lost
             if op == "release":
                 assert Lock.objects.get(name=name).owner == ""
