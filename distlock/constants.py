@@ -24,6 +24,9 @@ PURGE_BATCH = 1000
 # in between batches (distlock/batches.py).
 PURGE_REST = 1.0
 PURGE_REST_MAX = 0.05
+# A batch that gave up waiting for SQLite's write lock (its busy timeout, "database is
+# locked") is run again, at most this many times, before the purge fails with the error.
+PURGE_BUSY_RETRIES = 3
 
 # The column every fenced model has: the highest fencing token that wrote the row.
 FENCE_FIELD = "fence_token"

@@ -92,6 +92,11 @@ class Backend(TokenFloorSQL):
         so that running it again is safe?"""
         return False
 
+    def busy(self, exc: DatabaseError) -> bool:
+        """Did the statement give up waiting for the database's one write lock (SQLite's
+        busy timeout), having written nothing? A purge batch is then run again."""
+        return False
+
     def lock_wait_cut_short(self, exc: DatabaseError) -> bool:
         """Did a wait for a row lock end because the session's own timeout said so?
 

@@ -161,6 +161,11 @@ class SQLite(Backend):
             cursor = connection._distlock_cursor = _LeanCursor(connection)  # type: ignore[attr-defined]
         return cursor
 
+    def busy(self, exc: DatabaseError) -> bool:
+        # SQLITE_BUSY and SQLITE_LOCKED, with their extended codes (the low byte).
+        code = getattr(exc.__cause__, "sqlite_errorcode", None)
+        return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
     def immediate(self, cursor: Any, step: Callable[..., T], *args: Any) -> T:
         """``step(cursor, *args)`` in a ``BEGIN IMMEDIATE`` transaction, committed.
 
