@@ -100,6 +100,7 @@ class LockEventAdmin(NameSearch, _LockEventAdminBase):
     # icontains over name, holder, owner and who read all ten million events.
     search_fields = ["name"]
     search_help_text = EVENTS_HELP_TEXT
+    newest_first = True
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
     fields = ("at_precise", "kind_badge", "name", "token", "owner", "holder", "by", "detail")

@@ -25,4 +25,7 @@ class CappedPaginator(Paginator):  # type: ignore[type-arg]
     @cached_property
     def count(self) -> int:
         rows: QuerySet[Any] = self.object_list  # type: ignore[assignment]
-        return int(rows[: self.CAP + 1].count())
+        # Without the list's order: any CAP + 1 rows count the same, and the database
+        # may read them through whichever index finds them first (SQLite walked at_us
+        # back through every event of a name prefix to count them in time order).
+        return int(rows.order_by()[: self.CAP + 1].count())

@@ -126,6 +126,9 @@ class SQLite(Backend):
     # write's transaction holds the whole file).
     for_update = ""
     single_writer = True
+    # distlock/backends/indexes.py: steering a planner without statistics.
+    grouped_name_sql = "+name"
+    common_prefix_sql = ("likelihood(name >= %s, 0.9)", "likelihood(name < %s, 0.9)")
     # UPDATE … RETURNING came with SQLite 3.35; Django supports SQLite from 3.31.
     has_update_returning = sqlite3.sqlite_version_info >= (3, 35)
     #: db.run() calls these in autocommit mode: each is one statement, or opens the
