@@ -30,8 +30,10 @@ class CappedPaginator(Paginator):  # type: ignore[type-arg]
         rows: QuerySet[Any] = self.object_list  # type: ignore[assignment]
         # Without the list's order: any CAP + 1 rows count the same, and the database
         # may read them through whichever index finds them first (SQLite walked at_us
-        # back through every event of a name prefix to count them in time order).
-        return int(rows.order_by()[: self.CAP + 1].count())
+        # back through every event of a name prefix to count them in time order). Only
+        # the key: the Locks list's state and clock annotations, computed for each of
+        # the CAP + 1 rows, were most of its count (MariaDB, 1M rows: 36 ms).
+        return int(rows.order_by().values("pk")[: self.CAP + 1].count())
 
 
 # The Locks list's columns other than the name sort only the held or the expired locks:
