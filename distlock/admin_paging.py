@@ -5,6 +5,8 @@ of a million rows or an audit history of ten million makes that count the deares
 of the page (a whole-table scan, about a second for 10M events; benchmarks/rows.py).
 Counting at most ``CAP + 1`` rows answers what the page needs — how many pages, up to a
 point — and the list then says "more than 10000" (``admin/distlock/pagination.html``).
+Sorting is bounded the same way: the Locks list sorts by other columns than the name only
+where the owned rows' index reads the rows (``SORTED_STATES``).
 """
 
 from __future__ import annotations
