@@ -85,8 +85,8 @@ def pages() -> dict[str, str]:
     }
 
 
-# distlock_list's two forms: every lock (a listing of the whole table, by nature) and the
-# held ones (the owned rows' index).
+# distlock_list's two forms: the default listing (the first 1,000 names, and a count of
+# the rest up to 10,000) and the held ones (the owned rows' index).
 COMMANDS = {"distlock_list --held": ["--held"], "distlock_list": []}
 
 

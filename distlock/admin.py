@@ -27,7 +27,7 @@ from django.utils.http import urlencode
 from django.utils.translation import gettext
 
 from distlock import admin_overview, admin_search
-from distlock.admin_paging import CappedPaginator
+from distlock.admin_paging import CappedPaginator, SortedWhereBounded, sortable_columns
 from distlock.admin_timeline import timeline_url
 from distlock.conf import conf
 from distlock.db import db_now_us
@@ -64,7 +64,7 @@ else:
 _MEDIA_CSS = {"all": ("distlock/admin.css",)}
 
 
-class _LockChangeList(ChangeList):
+class _LockChangeList(SortedWhereBounded):
     """Django's list, and then, for the rows of the page only, how each free lock was
     freed (released or broken), from the audit: the lock row cannot tell."""
 
@@ -134,6 +134,9 @@ class LockAdmin(admin_search.NameSearch, _LockAdminBase):
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return _LockChangeList
+
+    def get_sortable_by(self, request: HttpRequest) -> list[Any]:
+        return sortable_columns(request, self.list_display, "name")  # admin_paging.py
 
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = None

@@ -210,7 +210,7 @@ def event_batches(
         deleted = purge_event_batch(alias, cutoff, size)
         return deleted, deleted == size
 
-    return in_batches(batch, rest)
+    return in_batches(alias, batch, rest)
 
 
 def purge_event_batch(alias: str, cutoff: int | Combinable, size: int) -> int:

@@ -10,6 +10,10 @@ from __future__ import annotations
 LOCK_TABLE = "distlock_lock"
 # The index of the owned (held or expired) lock rows (Lock.Meta.indexes).
 OWNED_INDEX = "distlock_lock_owned"
+# The audit events of the kinds that are rare (trouble), and their index (migration 0008):
+# "the stale writes" must not walk ten million grants and renewals to find a handful.
+RARE_KINDS = ("took_over", "broken", "lost", "stale_write")
+RARE_EVENTS_INDEX = "distlock_event_rare"
 EVENT_TABLE = "distlock_lockevent"
 # One row: the largest token of any lock row purge_locks() deleted. A new lock row starts
 # above it (see Backend.acquire_new).
@@ -24,6 +28,9 @@ PURGE_BATCH = 1000
 # in between batches (distlock/batches.py).
 PURGE_REST = 1.0
 PURGE_REST_MAX = 0.05
+# A batch that gave up waiting for SQLite's write lock (its busy timeout, "database is
+# locked") is run again, at most this many times, before the purge fails with the error.
+PURGE_BUSY_RETRIES = 3
 
 # The column every fenced model has: the highest fencing token that wrote the row.
 FENCE_FIELD = "fence_token"

@@ -381,4 +381,4 @@ def purge_batches(
         deleted = db.run(alias, "purge_delete", idle, idle_us, ceiling) if idle else 0
         return deleted, after is not None
 
-    return in_batches(batch, rest)
+    return in_batches(alias, batch, rest)

@@ -29,6 +29,7 @@ from typing import Any
 
 from django.db import connections
 from django.db.models import BigIntegerField, CharField, Count, Max, Q, Value, Window
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from distlock.backends import backend_for
@@ -142,17 +143,25 @@ def most_contended(alias: str, since_us: int) -> list[Contended]:
     expired take-overs are what the history can show of contention.
     """
     grants = [LockEvent.Kind.ACQUIRED, LockEvent.Kind.TOOK_OVER]
+    # Grouped by the backend's form of the name: SQLite, grouping by the column itself,
+    # walked the whole (name, at_us) index instead of the hour (distlock/backends/).
+    grouped = backend_for(connections[alias]).grouped_name_sql
     rows = (
         LockEvent.objects.using(alias).filter(at_us__gte=since_us, kind__in=grants)
-        .values("name")
+        .annotate(key=RawSQL(grouped, [], output_field=CharField()))
+        .values("key")
         .annotate(
             grants=Count("id"), holders=Count("holder", distinct=True),
             took_over=Count("id", filter=Q(kind=LockEvent.Kind.TOOK_OVER)),
             last_us=Max("at_us"),
         )
-        .order_by("-holders", "-grants", "name")[:CONTENDED_LIMIT]
+        .order_by("-holders", "-grants", "key")[:CONTENDED_LIMIT]
     )
-    return [Contended(**row) for row in rows]
+    return [
+        Contended(name=row["key"], grants=row["grants"], holders=row["holders"],
+                  took_over=row["took_over"], last_us=row["last_us"])
+        for row in rows
+    ]
 
 
 def stale_writes(alias: str, since_us: int) -> tuple[list[LockEvent], int]:

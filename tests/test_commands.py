@@ -116,6 +116,72 @@ def test_list_times_in_words(settings):
     assert " s" not in lines["hour"] and "3599" not in lines["hour"]
 
 
+def _idle_rows(names: list[str]) -> None:
+    """Free rows, as purge_locks would find them, without a grant each."""
+    Lock.objects.bulk_create(Lock(name=name, token=1) for name in names)
+
+
+def test_list_limit_says_how_many_more_rows_there_are(monkeypatch):
+    from distlock.management.commands import distlock_list
+
+    _idle_rows([f"row:{i:03}" for i in range(25)])
+    lines = run("distlock_list", "--limit", "10").splitlines()
+    assert [line.split()[0] for line in lines[1:11]] == [f"row:{i:03}" for i in range(10)]
+    assert lines[11:] == ["… and 15 more rows (the first 10 are listed: --prefix narrows, "
+                          "--limit 0 lists all)"]
+    assert len(run("distlock_list", "--limit", "0").splitlines()) == 1 + 25
+    assert len(run("distlock_list").splitlines()) == 1 + 25  # under the default 1000
+    assert run("distlock_list", "--limit", "24").splitlines()[-1].startswith(
+        "… and 1 more row (")
+    assert "more" not in run("distlock_list", "--limit", "25")
+    # The count of the rest stops at MORE_CAP: it never reads the whole table.
+    monkeypatch.setattr(distlock_list, "MORE_CAP", 5)
+    assert run("distlock_list", "--limit", "10").splitlines()[-1].startswith(
+        "… and 5 or more rows (the first 10")
+
+
+def test_list_limit_in_json_keeps_the_output_a_list():
+    _idle_rows([f"row:{i:03}" for i in range(5)])
+    out, err = StringIO(), StringIO()
+    call_command("distlock_list", "--json", "--limit", "2", stdout=out, stderr=err)
+    assert [item["name"] for item in json.loads(out.getvalue())] == ["row:000", "row:001"]
+    assert "and 3 more rows" in err.getvalue()
+
+
+def test_list_prefix(three_locks):
+    _idle_rows(["cmd", "cmdx:1", "other:1"])
+    names = [line.split()[0] for line in run("distlock_list", "--prefix", "cmd:").splitlines()[1:]]
+    assert names == ["cmd:expired", "cmd:free", "cmd:held"]
+    names = [line.split()[0] for line in run("distlock_list", "--prefix", "cmd").splitlines()[1:]]
+    assert names == ["cmd", "cmd:expired", "cmd:free", "cmd:held", "cmdx:1"]
+    assert [line.split()[0] for line in run(
+        "distlock_list", "--prefix", "=cmd").splitlines()[1:]] == ["cmd"]
+    held = run("distlock_list", "--prefix", "cmd:", "--held").splitlines()[1:]
+    assert [line.split()[0] for line in held] == ["cmd:held"]
+    assert run("distlock_list", "--prefix", "zzz").strip() == "No locks."
+    limited = run("distlock_list", "--prefix", "cmd", "--limit", "2").splitlines()
+    assert [line.split()[0] for line in limited[1:3]] == ["cmd", "cmd:expired"]
+    assert limited[3].startswith("… and 3 more rows")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--limit", "ten"], "--limit: 'ten' is not a whole number"),
+        (["--limit", "-1"], "--limit: '-1' is negative; 0 lists every lock"),
+        (["--limit", ""], "--limit: '' is not a whole number"),
+        (["--prefix", "x" * 300], "--prefix: no lock name can match"),
+        (["--prefix", "a\x00b"], "--prefix: no lock name can match"),
+        (["--limit", "-1", "--watch", "1"], "--limit: '-1' is negative"),
+    ],
+)
+def test_list_limit_and_prefix_bad_input(args, message):
+    _idle_rows(["kept"])
+    with pytest.raises(CommandError, match=re.escape(message)):
+        run("distlock_list", *args)
+    assert list(Lock.objects.values_list("name", "token")) == [("kept", 1)]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

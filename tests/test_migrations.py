@@ -21,7 +21,13 @@ from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.recorder import MigrationRecorder
 
 from distlock import acquire
-from distlock.constants import EVENT_TABLE, FLOOR_TABLE, LOCK_TABLE, OWNED_INDEX
+from distlock.constants import (
+    EVENT_TABLE,
+    FLOOR_TABLE,
+    LOCK_TABLE,
+    OWNED_INDEX,
+    RARE_EVENTS_INDEX,
+)
 from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -48,7 +54,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0007_postgresql_handoff")
+LATEST = ("distlock", "0008_lockevent_rare_index")
 
 
 def tables() -> set[str]:
@@ -161,6 +167,29 @@ def test_owned_rows_index_comes_and_goes_with_0005(migrated_back: None) -> None:
     assert owned_index() is None
     call_command("migrate", "distlock", verbosity=0)
     assert owned_index() is not None and owned_index()["columns"] == columns
+
+
+def rare_events_index() -> dict[str, object] | None:
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, EVENT_TABLE)
+    return found.get(RARE_EVENTS_INDEX)
+
+
+def test_rare_events_index_comes_and_goes_with_0008(migrated_back: None) -> None:
+    """(kind, at_us): partial (the rare kinds) on PostgreSQL and SQLite, full on MariaDB."""
+    assert rare_events_index() is not None
+    assert rare_events_index()["columns"] == ["kind", "at_us"]
+    call_command("migrate", "distlock", "0007", verbosity=0)
+    assert rare_events_index() is None
+    call_command("migrate", "distlock", verbosity=0)
+    assert rare_events_index() is not None
+
+
+def test_the_rare_kinds_are_event_kinds() -> None:
+    from distlock.constants import RARE_KINDS
+    from distlock.models import LockEvent
+
+    assert set(RARE_KINDS) == set(LockEvent.Kind.values) - {"acquired", "renewed", "released"}
 
 
 def test_a_database_the_pre_release_series_migrated_counts_as_migrated() -> None:

@@ -12,11 +12,12 @@ into its UPDATE, and the same answers from the fallback as from the one statemen
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -24,9 +25,11 @@ from django.db import OperationalError, connection, connections, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
-from distlock import StaleToken, TransactionNotAllowed, acquire, signals
+from distlock import StaleToken, TransactionNotAllowed, acquire, purge_locks, signals
+from distlock.audit import purge_events
 from distlock.backends import backend_for
-from distlock.models import Lock
+from distlock.constants import PURGE_BUSY_RETRIES
+from distlock.models import Lock, LockEvent, TokenFloor
 from distlock.testing import make_stale
 from tests.stressapp.models import Resource
 from tests.support.helpers import expired_lock
@@ -368,3 +371,94 @@ def test_the_fallback_keeps_the_take_over_boundary_and_the_token_floor(old_sqlit
     )
     test_locks.test_purge_keeps_tokens_increasing()  # first: it wants an empty table
     test_boundaries.test_take_over_is_refused_until_expiry_and_granted_at_it(clock)
+
+
+class _Retries(logging.Handler):
+    """Counts the purge's "running it again" warnings; set() after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.first = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "running it again" in record.getMessage():
+            self.count += 1
+            self.first.set()
+
+
+@pytest.fixture
+def retries() -> Iterator[_Retries]:
+    handler = _Retries()
+    logger = logging.getLogger("distlock")
+    logger.addHandler(handler)
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout = 200")
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout = 30000")
+
+
+def _purge_rows_and_events() -> Callable[[], int]:
+    """Idle lock rows and old events; what purges them (both purges share the retry)."""
+    Lock.objects.bulk_create(
+        Lock(name=f"idle:{i}", token=i + 1, expires_us=1) for i in range(5)
+    )
+    LockEvent.objects.bulk_create(
+        LockEvent(at_us=i + 1, kind=LockEvent.Kind.ACQUIRED, name=f"idle:{i}") for i in range(5)
+    )
+    return lambda: purge_locks(idle=0) + purge_events(older_than=0)
+
+
+def test_a_purge_runs_a_batch_again_after_the_busy_timeout(holder, retries):
+    """Another process holds the write lock past the busy timeout: the batch fails with
+    'database is locked', is run again, and the purge finishes once the lock is let go."""
+    purge = _purge_rows_and_events()
+    blocker = holder()
+    released: list[int] = []
+
+    def release_after_the_first_retry() -> None:
+        if retries.first.wait(60):
+            released.append(blocker.commit())
+
+    releaser = threading.Thread(target=release_after_the_first_retry)
+    releaser.start()
+    try:
+        assert purge() == 10
+    finally:
+        releaser.join(60)
+    assert released and 1 <= retries.count <= PURGE_BUSY_RETRIES
+    assert not Lock.objects.exists() and not LockEvent.objects.exists()
+
+
+def test_a_purge_gives_up_after_its_retries(holder, retries):
+    """Held for good, the lock ends the purge after PURGE_BUSY_RETRIES more tries, with
+    the error, and nothing deleted."""
+    purge = _purge_rows_and_events()
+    blocker = holder()
+    try:
+        with pytest.raises(OperationalError, match="locked"):
+            purge()
+        assert retries.count == PURGE_BUSY_RETRIES
+    finally:
+        blocker.commit()
+    assert Lock.objects.count() == 5 and LockEvent.objects.count() == 5
+    # The floor was not raised by the failed batches (their transactions rolled back).
+    assert TokenFloor.objects.filter(token__gte=1).count() == 0
+
+
+def test_a_purge_in_the_callers_transaction_is_not_run_again(holder, retries):
+    """Inside the caller's atomic block the failed statement spoilt the transaction: the
+    error goes to the caller at once."""
+    _purge_rows_and_events()
+    blocker = holder()
+    try:
+        with pytest.raises(OperationalError, match="locked"), transaction.atomic():
+            purge_events(older_than=0)
+        assert retries.count == 0
+    finally:
+        blocker.commit()
+    assert LockEvent.objects.count() == 5

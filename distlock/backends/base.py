@@ -27,12 +27,13 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.floor import TokenFloorSQL
+from distlock.backends.indexes import IndexSQL
 from distlock.backends.results import RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.constants import LOCK_TABLE as TABLE
-from distlock.constants import MAX_TOKEN, OWNED_INDEX
+from distlock.constants import MAX_TOKEN
 
 
-class Backend(TokenFloorSQL):
+class Backend(TokenFloorSQL, IndexSQL):
     """One database vendor's SQL and facts. One instance per vendor, shared by threads:
     it keeps no state of its own (per-connection state lives on the connection)."""
 
@@ -90,6 +91,11 @@ class Backend(TokenFloorSQL):
     def retryable(self, exc: DatabaseError) -> bool:
         """Did the database abort the whole transaction (serialization failure, deadlock),
         so that running it again is safe?"""
+        return False
+
+    def busy(self, exc: DatabaseError) -> bool:
+        """Did the statement give up waiting for the database's one write lock (SQLite's
+        busy timeout), having written nothing? A purge batch is then run again."""
         return False
 
     def lock_wait_cut_short(self, exc: DatabaseError) -> bool:
@@ -180,14 +186,6 @@ class Backend(TokenFloorSQL):
     def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
         """distlock_doctor's probes of this vendor: (level, message) pairs."""
         return []
-
-    def owned_index_sql(self, create: bool) -> str:
-        """Create (or drop) the index of the owned lock rows (migration 0005)."""
-        if create:
-            # No IF NOT EXISTS: an interrupted CONCURRENTLY build leaves an invalid index
-            # of this name, which must fail the next migrate, not pass for built.
-            return f"CREATE INDEX {OWNED_INDEX} ON {TABLE} (name) WHERE owner > ''"
-        return f"DROP INDEX IF EXISTS {OWNED_INDEX}"
 
     def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
         raise NotImplementedError

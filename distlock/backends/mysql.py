@@ -22,7 +22,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from distlock.backends.base import Backend
 from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
-from distlock.constants import LOCK_TABLE, MAX_TOKEN, OWNED_INDEX
+from distlock.constants import EVENT_TABLE, LOCK_TABLE, MAX_TOKEN, OWNED_INDEX, RARE_EVENTS_INDEX
 
 # Deadlock (1213) and "record has changed since last read" (1020) roll the transaction
 # back: safe to run it again.
@@ -87,6 +87,14 @@ class MySQL(Backend):
             return (f"CREATE INDEX {OWNED_INDEX} ON {LOCK_TABLE} (owner) "
                     "ALGORITHM=INPLACE LOCK=NONE")
         return f"DROP INDEX IF EXISTS {OWNED_INDEX} ON {LOCK_TABLE}"
+
+    def rare_events_index_sql(self, create: bool) -> str | None:
+        # No partial indexes: a full one, which every audit insert maintains
+        # (docs/performance.md, "Rare event kinds"). Built online, as the owned rows'.
+        if create:
+            return (f"CREATE INDEX {RARE_EVENTS_INDEX} ON {EVENT_TABLE} (kind, at_us) "
+                    "ALGORITHM=INPLACE LOCK=NONE")
+        return f"DROP INDEX IF EXISTS {RARE_EVENTS_INDEX} ON {EVENT_TABLE}"
 
     def name_equals_sql(self, sql: str) -> str:
         # The default collations fold case, accents and trailing spaces.

@@ -277,6 +277,11 @@ class PostgreSQL(Backend):
         # CONCURRENTLY: grants and releases go on while a large table is read.
         return super().owned_index_sql(create).replace(" INDEX ", " INDEX CONCURRENTLY ", 1)
 
+    def rare_events_index_sql(self, create: bool) -> str | None:
+        # CONCURRENTLY: audit inserts (and so the grants that record them) go on.
+        sql = super().rare_events_index_sql(create)
+        return None if sql is None else sql.replace(" INDEX ", " INDEX CONCURRENTLY ", 1)
+
     def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
         """A trigger that refuses any UPDATE lowering ``column`` (RefuseLowerFenceToken)."""
         quote = schema_editor.quote_name

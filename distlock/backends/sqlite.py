@@ -126,6 +126,9 @@ class SQLite(Backend):
     # write's transaction holds the whole file).
     for_update = ""
     single_writer = True
+    # distlock/backends/indexes.py: steering a planner without statistics.
+    grouped_name_sql = "+name"
+    common_prefix_sql = ("likelihood(name >= %s, 0.9)", "likelihood(name < %s, 0.9)")
     # UPDATE … RETURNING came with SQLite 3.35; Django supports SQLite from 3.31.
     has_update_returning = sqlite3.sqlite_version_info >= (3, 35)
     #: db.run() calls these in autocommit mode: each is one statement, or opens the
@@ -160,6 +163,11 @@ class SQLite(Backend):
         if cursor is None or cursor.raw is not connection.connection:
             cursor = connection._distlock_cursor = _LeanCursor(connection)  # type: ignore[attr-defined]
         return cursor
+
+    def busy(self, exc: DatabaseError) -> bool:
+        # SQLITE_BUSY and SQLITE_LOCKED, with their extended codes (the low byte).
+        code = getattr(exc.__cause__, "sqlite_errorcode", None)
+        return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
     def immediate(self, cursor: Any, step: Callable[..., T], *args: Any) -> T:
         """``step(cursor, *args)`` in a ``BEGIN IMMEDIATE`` transaction, committed.

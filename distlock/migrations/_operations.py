@@ -8,14 +8,16 @@ from django.db import migrations
 from distlock.backends import backend_for
 
 
-class OwnedIndex(migrations.operations.base.Operation):
-    """The index of the owned lock rows, in each database's own form and built without
-    stopping the grants of a large table: ``CREATE INDEX CONCURRENTLY`` on PostgreSQL
-    (the migration is therefore not atomic), online on MariaDB (distlock/backends/).
-    Not in the model state: Django's partial index would warn on MariaDB, which has none.
-    """
+class VendorIndex(migrations.operations.base.Operation):
+    """An index in each database's own form (distlock/backends/indexes.py), built without
+    stopping the writes of a large table: ``CREATE INDEX CONCURRENTLY`` on PostgreSQL (the
+    migration is therefore not atomic), online on MariaDB. Not in the model state:
+    Django's partial index would warn on MariaDB, which has none. ``sql_method`` names
+    the backend's method that gives the statement (None: no index on that database)."""
 
     reversible = True
+    sql_method = ""
+    description = ""
 
     def state_forwards(self, app_label: str, state: Any) -> None:
         pass
@@ -23,12 +25,31 @@ class OwnedIndex(migrations.operations.base.Operation):
     def database_forwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        schema_editor.execute(backend_for(schema_editor.connection).owned_index_sql(True))
+        self._run(schema_editor, True)
 
     def database_backwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
     ) -> None:
-        schema_editor.execute(backend_for(schema_editor.connection).owned_index_sql(False))
+        self._run(schema_editor, False)
+
+    def _run(self, schema_editor: Any, create: bool) -> None:
+        sql = getattr(backend_for(schema_editor.connection), self.sql_method)(create)
+        if sql is not None:
+            schema_editor.execute(sql)
 
     def describe(self) -> str:
-        return "Index the owned rows of the lock table"
+        return self.description
+
+
+class OwnedIndex(VendorIndex):
+    """The index of the owned lock rows (migration 0005)."""
+
+    sql_method = "owned_index_sql"
+    description = "Index the owned rows of the lock table"
+
+
+class RareEventsIndex(VendorIndex):
+    """The index of the audit events of rare kinds (migration 0008)."""
+
+    sql_method = "rare_events_index_sql"
+    description = "Index the audit events of rare kinds"
