@@ -26,8 +26,8 @@ from django.core.checks import CheckMessage, Warning
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends.base import Backend
 from distlock.backends import mysql_statements as one
+from distlock.backends.base import Backend
 from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
 from distlock.constants import LOCK_TABLE, MAX_TOKEN, OWNED_INDEX

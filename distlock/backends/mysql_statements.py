@@ -44,7 +44,7 @@ _L = LOCK_TABLE
 
 @lru_cache(maxsize=8)
 def acquire_sql(now: str) -> str:
-    """The acquire statement (module docstring) with ``now`` (the backend's ``now_sql()``) as the clock."""
+    """The acquire statement (module docstring), ``now`` (``now_sql()``) its clock."""
     # The ODKU's first assignment reads the clock and the row once, into user variables,
     # and only then may the row change: @distlock_ok is whether this grant happens.
     decide = (
