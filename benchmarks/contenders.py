@@ -125,21 +125,6 @@ class DistlockPythonPath(Distlock):
         use_mariadb_python_path()
 
 
-class DistlockProcedures(Distlock):
-    """M: distlock's MariaDB operations as one CALL of a stored procedure each, as before
-    the one-statement path (``MySQL.plain_statements`` off in the worker)."""
-
-    def __init__(self, alias: str) -> None:
-        super().__init__(alias, "distlock procedures (before)")
-        self.note = "one CALL per operation (migration 0006's procedures)"
-
-    def connect(self) -> None:
-        super().connect()
-        from distlock.backends.mysql import MySQL
-
-        MySQL.plain_statements = False  # type: ignore[misc]
-
-
 class DistlockBlocking(Distlock):
     """distlock's blocking ``acquire()``, as a user waits: back-off, and on PostgreSQL a
     NOTIFY from the release wakes the waiter. One name only: elsewhere it never waits."""

@@ -1,16 +1,12 @@
-"""MariaDB/MySQL: the one-statement lock operations, the stored procedures and the folded
-fenced check.
+"""MariaDB/MySQL: the stored procedures of the lock operations and the folded fenced check.
 
-On MariaDB acquire, renew and release are one plain statement each
-(distlock/backends/mysql_statements.py), with the procedures of migration 0006 behind them
-for what one statement cannot decide; on MySQL one ``CALL`` each. The connection must
+Acquire, renew and release are one ``CALL`` each (migration 0006): the connection must
 stay usable for Django's own queries afterwards (mysqlclient needs a CALL's extra result
-sets read), every operation must read the clock after its wait for the lock row, a
-lock-wait timeout must still mean busy with nothing left open, and the fenced write's
-folded ownership check must lock the lock row (under Django's READ COMMITTED a plain
-sub-select would read a snapshot and take no lock, so a stale holder's write would land
-while a take-over is committing). The procedures, now MariaDB's fallback, are held to
-the promises of the one-statement path by running its tests through them.
+sets read), every procedure must read the clock after its wait for the lock row, a
+lock-wait timeout inside a procedure must still mean busy with nothing left open, and
+the fenced write's folded ownership check must lock the lock row (under
+Django's READ COMMITTED a plain sub-select would read a snapshot and take no lock, so a
+stale holder's write would land while a take-over is committing).
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
 from distlock import LockLost, StaleToken, acquire
-from distlock.backends.mysql import MySQL
 from distlock.db import db_now_us
-from distlock.models import Lock, TokenFloor
+from distlock.models import Lock
 from tests.factories import AccountFactory
 from tests.support.helpers import wait_until
 from tests.testapp.models import Account
@@ -72,39 +67,6 @@ def test_each_call_leaves_the_connection_usable_and_no_transaction_open():
     assert not in_transaction()
 
 
-@pytest.fixture
-def procedures(monkeypatch):
-    """MariaDB's fallback, the procedures, for every operation (as on MySQL)."""
-    monkeypatch.setattr(MySQL, "plain_statements", False)
-
-
-def mariadb() -> bool:
-    connection.ensure_connection()
-    return bool(connection.mysql_is_mariadb)
-
-
-def test_each_operation_is_one_statement_in_autocommit():
-    # A first use puts back the token floor row the test flush deleted (a missing floor
-    # sends MariaDB's first use to the procedure).
-    acquire("one-call:floor", ttl=30).release()
-    with CaptureQueriesContext(connection) as captured:
-        lease = acquire("one-call", ttl=30)
-        lease.renew(ttl=30)
-        lease.release()
-    sql = [q["sql"] for q in captured]
-    heads = [s.split(" SET", 1)[0].split(" (", 1)[0].split("(", 1)[0] for s in sql]
-    if mariadb():
-        assert heads == [
-            "INSERT INTO distlock_lock", "UPDATE distlock_lock", "UPDATE distlock_lock"
-        ], sql
-        assert not any(q["sql"].startswith(("CALL", "START", "BEGIN")) for q in captured)
-    else:
-        assert heads == [
-            "CALL distlock_acquire", "CALL distlock_renew", "CALL distlock_release"
-        ], sql
-
-
-@pytest.mark.usefixtures("procedures")
 def test_a_call_is_one_statement_in_autocommit():
     with CaptureQueriesContext(connection) as captured:
         lease = acquire("one-call", ttl=30)
@@ -116,34 +78,53 @@ def test_a_call_is_one_statement_in_autocommit():
     ], sql
 
 
-def test_what_one_statement_cannot_decide_falls_back_to_the_procedures():
-    """MariaDB: a first use with the floor row missing (a flush emptied it) goes to the
-    procedure, which puts the floor back; a refused renewal says why from one plain
-    read."""
-    if not mariadb():
-        pytest.skip("MariaDB only: MySQL always calls the procedures")
-    acquire("fallback:old", ttl=30).release()
-    top = Lock.objects.get(name="fallback:old").token
-    TokenFloor.objects.all().delete()
-    with CaptureQueriesContext(connection) as captured:
-        lease = acquire("fallback:new", ttl=30)
-    assert [q["sql"].split("(", 1)[0] for q in captured][-1] == "CALL distlock_acquire"
-    assert lease.token == top + 1 and TokenFloor.objects.get().token == top
-    with CaptureQueriesContext(connection) as captured:
-        again = acquire("fallback:other", ttl=30)  # the floor is back: one statement
-    assert len(captured) == 1 and again.token == top + 1
-    Lock.objects.filter(name="fallback:new").update(token=F("token") + 5)
-    with pytest.raises(LockLost, match="released, broken or taken over"):
-        lease.renew(ttl=30)
-    Lock.objects.filter(name="fallback:other").delete()
-    with pytest.raises(LockLost, match="no longer exists"):
-        again.renew(ttl=30)
+def _hold_row(name: str, ready: threading.Event, done: threading.Event, errors: list) -> None:
+    """Hold the lock row of ``name`` FOR UPDATE on a connection of its own until ``done``."""
+    try:
+        with connections["locks"].cursor() as cursor:
+            cursor.execute("START TRANSACTION")
+            cursor.execute(f"SELECT token FROM {Lock._meta.db_table} WHERE name = %s FOR UPDATE",
+                           [name])
+            ready.set()
+            done.wait(DEADLINE)
+            cursor.execute("ROLLBACK")
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        errors.append(exc)
+        ready.set()
+    finally:
+        connections["locks"].close()
+
+
+def test_lock_wait_timeout_inside_a_procedure_is_busy_and_rolled_back():
+    """innodb_lock_wait_timeout ends the procedure's wait for the row (1205): the exit
+    handler rolls back and RESIGNALs it with its code, so acquire says busy (None)."""
+    acquire("waited", ttl=30).release()
+    ready, done, errors = threading.Event(), threading.Event(), []
+    holder = threading.Thread(target=_hold_row, args=("waited", ready, done, errors))
+    holder.start()
+    try:
+        assert ready.wait(DEADLINE) and not errors, errors
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+        try:
+            assert acquire("waited", ttl=30, blocking=False) is None
+            assert not in_transaction()
+            assert Lock.objects.get(name="waited").owner == ""
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+    finally:
+        done.set()
+        holder.join(DEADLINE)
+    assert not errors, errors
+    lease = acquire("waited", ttl=30, blocking=False)
+    assert lease is not None and lease.release() is True
 
 
 def _running(name: str, deadline: float) -> bool:
-    """True once another session runs a statement naming ``name`` (its CALL, or the
-    statement itself). INNODB_TRX did not show these waits reliably; the caller proves
-    the wait by the statement not having finished a while later."""
+    """True once another session runs a statement naming ``name`` (a CALL). INNODB_TRX
+    did not list these waits reliably; the caller proves the wait by the statement not
+    having finished a while later."""
     with connections["default"].cursor() as cursor:
         while time.monotonic() < deadline:
             cursor.execute(
@@ -156,19 +137,16 @@ def _running(name: str, deadline: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("path", ["statement", "procedure"])
 @pytest.mark.parametrize("operation", ["acquire", "renew", "release"])
-def test_the_clock_is_read_after_the_wait_for_the_lock_row(operation, path, monkeypatch):
+def test_the_clock_is_read_after_the_wait_for_the_lock_row(operation):
     """Another connection holds the lock row (FOR UPDATE) while a lease of 0.3 s runs
     out, and commits only after the database clock has passed its expiry. An operation
     that waited for the row meanwhile must judge and stamp with a clock read after the
     wait: the take-over is granted, starting after the commit; the renewal is refused
     (expired); the release says "not held", stamped after the commit. A clock read when
-    the statement arrived (NOW(), or the VALUES of an upsert) would still see the lease
-    live."""
-    if path == "procedure":
-        monkeypatch.setattr(MySQL, "plain_statements", False)
-    name = f"clock-after-lock:{operation}:{path}"
+    the CALL arrived (NOW(), or SYSDATE() before the FOR UPDATE) would still see the
+    lease live."""
+    name = f"clock-after-lock:{operation}"
     lease = acquire(name, ttl=0.3)
     expires = Lock.objects.get(name=name).expires_us
     outcome: list[object] = []
@@ -217,64 +195,6 @@ def test_the_clock_is_read_after_the_wait_for_the_lock_row(operation, path, monk
     else:
         assert outcome[0] is False, outcome
         assert row.owner == "" and row.expires_us >= committed_us, (row.expires_us, committed_us)
-
-
-@pytest.mark.usefixtures("procedures")
-def test_the_procedures_keep_the_promises_of_the_one_statement_path():
-    """The procedures run on MariaDB only as the fallback now: the grant, boundary and
-    floor tests of the one-statement path, run again through them (as on MySQL)."""
-    from tests import test_grant_checks, test_locks
-
-    test_locks.test_purge_keeps_tokens_increasing()  # first: it wants an empty table
-    test_locks.test_second_acquire_is_refused_while_held()
-    test_locks.test_expired_lock_is_taken_over_with_a_higher_token()
-    acquire("pair", ttl=60).release()
-    held = acquire("pair", ttl=60, holder="real")
-    test_grant_checks.test_the_real_owner_with_another_token_cannot_release_or_renew(held, 1)
-    test_grant_checks.test_an_expired_lease_nobody_took_over_cannot_be_renewed()
-
-
-def _hold_row(name: str, ready: threading.Event, done: threading.Event, errors: list) -> None:
-    """Hold the lock row of ``name`` FOR UPDATE on a connection of its own until ``done``."""
-    try:
-        with connections["locks"].cursor() as cursor:
-            cursor.execute("START TRANSACTION")
-            cursor.execute(f"SELECT token FROM {Lock._meta.db_table} WHERE name = %s FOR UPDATE",
-                           [name])
-            ready.set()
-            done.wait(DEADLINE)
-            cursor.execute("ROLLBACK")
-    except BaseException as exc:  # noqa: BLE001 - reported by the test
-        errors.append(exc)
-        ready.set()
-    finally:
-        connections["locks"].close()
-
-
-def test_lock_wait_timeout_inside_a_procedure_is_busy_and_rolled_back():
-    """innodb_lock_wait_timeout ends the procedure's wait for the row (1205): the exit
-    handler rolls back and RESIGNALs it with its code, so acquire says busy (None)."""
-    acquire("waited", ttl=30).release()
-    ready, done, errors = threading.Event(), threading.Event(), []
-    holder = threading.Thread(target=_hold_row, args=("waited", ready, done, errors))
-    holder.start()
-    try:
-        assert ready.wait(DEADLINE) and not errors, errors
-        with connection.cursor() as cursor:
-            cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
-        try:
-            assert acquire("waited", ttl=30, blocking=False) is None
-            assert not in_transaction()
-            assert Lock.objects.get(name="waited").owner == ""
-        finally:
-            with connection.cursor() as cursor:
-                cursor.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
-    finally:
-        done.set()
-        holder.join(DEADLINE)
-    assert not errors, errors
-    lease = acquire("waited", ttl=30, blocking=False)
-    assert lease is not None and lease.release() is True
 
 
 def _statement_waits(cursor, owner: str, deadline: float) -> bool:

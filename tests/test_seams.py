@@ -442,13 +442,12 @@ def _waiting_on_a_row_lock() -> bool:
             )
         else:
             # Not innodb_lock_waits: a locking read of a unique key waits in the optimizer
-            # ("Statistics"), where that table does not always list it. The procedure's
-            # locking read, or MariaDB's one-statement renewal.
+            # ("Statistics"), where that table does not always list it.
             cursor.execute(
                 "SELECT count(*) FROM information_schema.processlist WHERE db = DATABASE() "
                 "AND id <> CONNECTION_ID() AND command = 'Query' "
-                "AND (info LIKE %s OR info LIKE %s)",
-                ["%distlock_lock%FOR UPDATE%", "UPDATE distlock_lock SET renewed_us%"],
+                "AND info LIKE %s",
+                ["%distlock_lock%FOR UPDATE%"],
             )
         return cursor.fetchone()[0] > 0
 

@@ -1,14 +1,7 @@
-"""MariaDB and MySQL: one statement or stored procedure per lock operation, the fenced
-write's check folded into its UPDATE, exact names and InnoDB's errors.
+"""MariaDB and MySQL: stored procedures for the lock operations, the fenced write's check
+folded into its UPDATE, exact names and InnoDB's errors.
 
-On MariaDB acquire, renew and release are one plain statement each, in autocommit mode
-(:mod:`distlock.backends.mysql_statements`): a procedure runs each statement of its body
-at about the server cost of a statement sent by the client, so the procedures cost two to
-three times the one-statement reference; the statements cost what one statement costs.
-What one statement cannot decide falls back to the procedures: a first use while the
-token floor row is missing or exhausted, and the reason a renewal is refused.
-
-On MySQL (no ``INSERT … RETURNING``) every operation is one ``CALL``: the procedures of
+Acquire, renew and release are one ``CALL`` each, in autocommit mode: the procedures of
 migration 0006 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, in
 :mod:`distlock.backends.mysql_procedures`) run the portable steps of
 :mod:`distlock.backends.base` on the server — ``START TRANSACTION``, the ``FOR UPDATE``
@@ -26,7 +19,6 @@ from django.core.checks import CheckMessage, Warning
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends import mysql_statements as one
 from distlock.backends.base import Backend
 from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
@@ -60,9 +52,6 @@ class MySQL(Backend):
     one_statement: ClassVar[frozenset[str]] = frozenset(
         {"acquire_existing", "renew", "release", "holds"}
     )
-    #: On MariaDB, the plain statements of mysql_statements.py before the procedures
-    #: (False: the procedures only, as before; the benchmark measures both).
-    plain_statements: ClassVar[bool] = True
     # The fenced write's ownership check in its UPDATE's WHERE (params: name, owner,
     # token). LOCK IN SHARE MODE makes the sub-select a locking read of the latest row,
     # held to the commit, in every isolation level; without it READ COMMITTED (Django's
@@ -190,21 +179,9 @@ class MySQL(Backend):
     def acquire_existing(
         self, cursor: Any, name: str, owner: str, holder: str, ttl_us: int
     ) -> Grant | Busy | None:
-        """One statement, or ``distlock_acquire``, which also creates a missing row (so
-        this never returns None)."""
+        """``distlock_acquire`` also creates a missing row (so it never returns None)."""
         if not _autocommit(cursor):
             return super().acquire_existing(cursor, name, owner, holder, ttl_us)
-        if self.plain_statements and _is_mariadb(cursor.db):
-            cursor.execute(one.acquire_sql(self.now_sql()), [name, owner, holder, ttl_us, ttl_us])
-            row = cursor.fetchone()
-            if row is not None:
-                token, now_owner, now_holder, acquired_us, expires_us, prev, now = row
-                if now_owner == owner:  # a fresh random owner: this grant
-                    return Grant(token, acquired_us, expires_us, took_over=_text(prev))
-                if token >= MAX_TOKEN:
-                    raise exhausted(name)
-                return Busy(token, now_holder, max(0, expires_us - int(now)))
-            # No floor row to start a new row from, or it is exhausted: the procedure.
         status, token, acquired_us, expires_us, other, remaining_us = _call(
             cursor, "CALL distlock_acquire(%s, %s, %s, %s, %s)",
             [name, owner, holder, ttl_us, MAX_TOKEN],
@@ -220,16 +197,6 @@ class MySQL(Backend):
     ) -> Grant | str:
         if not _autocommit(cursor):
             return super().renew(cursor, name, owner, token, ttl_us)
-        if self.plain_statements and _is_mariadb(cursor.db):
-            cursor.execute(one.renew_sql(self.now_sql()), [ttl_us, name, owner, token])
-            if cursor.rowcount == 1:
-                renewed_us = int(cursor.lastrowid)
-                return Grant(token, renewed_us, renewed_us + ttl_us)
-            cursor.execute(one.REFUSED, [owner, token, name])
-            row = cursor.fetchone()
-            return RENEW_REFUSED[
-                "missing" if row is None else "expired" if row[0] else "changed"
-            ]
         status, renewed_us, expires_us = _call(
             cursor, "CALL distlock_renew(%s, %s, %s, %s)", [name, owner, token, ttl_us]
         )
@@ -242,12 +209,6 @@ class MySQL(Backend):
     ) -> tuple[bool, int | None]:
         if not _autocommit(cursor):
             return super().release(cursor, name, owner, token)
-        if self.plain_statements and _is_mariadb(cursor.db):
-            cursor.execute(one.release_sql(self.now_sql()), [name, owner, token])
-            if cursor.rowcount != 1:
-                return False, None
-            packed = int(cursor.lastrowid)  # 2 * release time + (was it unexpired)
-            return bool(packed & 1), packed >> 1
         held, released_us = _call(
             cursor, "CALL distlock_release(%s, %s, %s)", [name, owner, token]
         )
@@ -311,14 +272,6 @@ class _RawCursor:
         with self.db.wrap_database_errors:
             return self.cursor.nextset()
 
-    @property
-    def rowcount(self) -> int:
-        return int(self.cursor.rowcount)
-
-    @property
-    def lastrowid(self) -> Any:
-        return self.cursor.lastrowid
-
     def __enter__(self) -> _RawCursor:
         return self
 
@@ -334,11 +287,6 @@ def _autocommit(cursor: Any) -> bool:
         connection is not None and not connection.in_atomic_block
         and connection.get_autocommit()
     )
-
-
-def _text(value: Any) -> str:
-    """A user variable's string as RETURNING gives it (bytes when its type is unknown)."""
-    return value.decode() if isinstance(value, bytes) else str(value or "")
 
 
 def _call(cursor: Any, sql: str, params: list[Any]) -> Any:
