@@ -2,8 +2,9 @@
 
 Acquire, renew and release are one ``CALL`` each (migration 0006): the connection must
 stay usable for Django's own queries afterwards (mysqlclient needs a CALL's extra result
-sets read), a lock-wait timeout inside a procedure must still mean busy with nothing
-left open, and the fenced write's folded ownership check must lock the lock row (under
+sets read), every procedure must read the clock after its wait for the lock row, a
+lock-wait timeout inside a procedure must still mean busy with nothing left open, and
+the fenced write's folded ownership check must lock the lock row (under
 Django's READ COMMITTED a plain sub-select would read a snapshot and take no lock, so a
 stale holder's write would land while a take-over is committing).
 """
@@ -19,8 +20,10 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
 from distlock import LockLost, StaleToken, acquire
+from distlock.db import db_now_us
 from distlock.models import Lock
 from tests.factories import AccountFactory
+from tests.support.helpers import wait_until
 from tests.testapp.models import Account
 
 pytestmark = [
@@ -116,6 +119,82 @@ def test_lock_wait_timeout_inside_a_procedure_is_busy_and_rolled_back():
     assert not errors, errors
     lease = acquire("waited", ttl=30, blocking=False)
     assert lease is not None and lease.release() is True
+
+
+def _running(name: str, deadline: float) -> bool:
+    """True once another session runs a statement naming ``name`` (a CALL). INNODB_TRX
+    did not list these waits reliably; the caller proves the wait by the statement not
+    having finished a while later."""
+    with connections["default"].cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                "WHERE ID <> CONNECTION_ID() AND INFO LIKE %s", [f"%{name}%"],
+            )
+            if cursor.fetchone()[0]:
+                return True
+            time.sleep(0.005)
+    return False
+
+
+@pytest.mark.parametrize("operation", ["acquire", "renew", "release"])
+def test_the_clock_is_read_after_the_wait_for_the_lock_row(operation):
+    """Another connection holds the lock row (FOR UPDATE) while a lease of 0.3 s runs
+    out, and commits only after the database clock has passed its expiry. An operation
+    that waited for the row meanwhile must judge and stamp with a clock read after the
+    wait: the take-over is granted, starting after the commit; the renewal is refused
+    (expired); the release says "not held", stamped after the commit. A clock read when
+    the CALL arrived (NOW(), or SYSDATE() before the FOR UPDATE) would still see the
+    lease live."""
+    name = f"clock-after-lock:{operation}"
+    lease = acquire(name, ttl=0.3)
+    expires = Lock.objects.get(name=name).expires_us
+    outcome: list[object] = []
+
+    def operate() -> None:
+        try:
+            if operation == "acquire":
+                outcome.append(acquire(name, ttl=30, blocking=False))
+            elif operation == "renew":
+                outcome.append(lease.renew(ttl=30))
+            else:
+                outcome.append(lease.release())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            outcome.append(exc)
+        finally:
+            connections.close_all()
+
+    blocker = connections["locks"]
+    with blocker.cursor() as cursor:
+        cursor.execute("START TRANSACTION")
+        cursor.execute(f"SELECT token FROM {Lock._meta.db_table} WHERE name = %s FOR UPDATE",
+                       [name])
+        worker = threading.Thread(target=operate)
+        worker.start()
+        try:
+            running = _running(name, time.monotonic() + DEADLINE)
+            wait_until(lambda: db_now_us("locks") > expires, DEADLINE,
+                       "the lease's expiry by the database clock")
+            waited = running and not outcome  # still not done: it waits for the row
+            committed_us = db_now_us("locks")
+        finally:
+            cursor.execute("COMMIT")
+            worker.join(DEADLINE)
+    blocker.close()
+    assert waited, "the operation never waited for the row"
+    assert len(outcome) == 1, outcome
+    row = Lock.objects.get(name=name)
+    if operation == "acquire":
+        taker = outcome[0]
+        assert taker is not None and not isinstance(taker, BaseException), outcome
+        assert taker.token == lease.token + 1
+        assert row.acquired_us >= committed_us, (row.acquired_us, committed_us)
+    elif operation == "renew":
+        assert isinstance(outcome[0], LockLost) and "expired" in str(outcome[0]), outcome
+        assert row.expires_us == expires and row.renew_count == 0
+    else:
+        assert outcome[0] is False, outcome
+        assert row.owner == "" and row.expires_us >= committed_us, (row.expires_us, committed_us)
 
 
 def _statement_waits(cursor, owner: str, deadline: float) -> bool:
