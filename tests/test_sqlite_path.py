@@ -26,6 +26,7 @@ from django.test.utils import CaptureQueriesContext
 
 from distlock import StaleToken, TransactionNotAllowed, acquire, signals
 from distlock.backends import backend_for
+from distlock.backends.lean_cursor import LeanCursor
 from distlock.models import Lock
 from distlock.testing import make_stale
 from tests.stressapp.models import Resource
@@ -142,12 +143,12 @@ def test_the_lean_cursor_is_used_only_when_nobody_watches():
     acquire("lean", ttl=30).release()
     assert not connection.queries_logged
     lean = backend.statement_cursor(connection)
-    assert type(lean).__name__ == "_LeanCursor"
+    assert isinstance(lean, LeanCursor)
     assert backend.statement_cursor(connection) is lean, "one per database session"
     with CaptureQueriesContext(connection):
-        assert type(backend.statement_cursor(connection)).__name__ != "_LeanCursor"
+        assert not isinstance(backend.statement_cursor(connection), LeanCursor)
     with connection.execute_wrapper(lambda execute, *args: execute(*args[:-1])):
-        assert type(backend.statement_cursor(connection)).__name__ != "_LeanCursor"
+        assert not isinstance(backend.statement_cursor(connection), LeanCursor)
     connection.close()
     connection.ensure_connection()
     assert backend.statement_cursor(connection) is not lean, "a new session, a new cursor"

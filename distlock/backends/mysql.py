@@ -20,6 +20,7 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
+from distlock.backends.lean_cursor import LeanCursor
 from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
 from distlock.constants import LOCK_TABLE, MAX_TOKEN, OWNED_INDEX
@@ -159,16 +160,10 @@ class MySQL(Backend):
         )]
 
     def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
-        """mysqlclient's own cursor, kept per database session, but only when nobody
-        watches this connection's queries (DEBUG's query log, assertNumQueries,
-        execute_wrappers see every statement through Django's cursor)."""
-        if connection.queries_logged or connection.execute_wrappers:
-            return connection.cursor()
-        connection.validate_thread_sharing()
-        cursor: _RawCursor | None = getattr(connection, "_distlock_cursor", None)
-        if cursor is None or cursor.raw is not connection.connection:
-            cursor = connection._distlock_cursor = _RawCursor(connection)  # type: ignore[attr-defined]
-        return cursor
+        """mysqlclient's own cursor (:class:`_RawCursor`), as :meth:`LeanCursor.reused`
+        gives it: Django's cursor goes through two wrappers per call, about a quarter of
+        the client CPU of an operation that is one CALL."""
+        return _RawCursor.reused(connection)
 
     # -- the lock operations: stored procedures (migration 0006) ---------------------------
 
@@ -248,36 +243,12 @@ def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
     return bool(getattr(connection, "mysql_is_mariadb", False))
 
 
-class _RawCursor:
-    """A mysqlclient cursor with Django's error wrapping, for one-statement operations.
-
-    Django's cursor is made anew for every operation and goes through two wrappers per
-    call; for an operation that is one CALL that was about a quarter of its client CPU.
-    """
-
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        self.db = connection
-        self.raw = connection.connection
-        self.cursor = self.raw.cursor()
-
-    def execute(self, sql: str, params: Any = None) -> None:
-        with self.db.wrap_database_errors:
-            self.cursor.execute(sql, params)
-
-    def fetchone(self) -> Any:
-        with self.db.wrap_database_errors:
-            return self.cursor.fetchone()
+class _RawCursor(LeanCursor):
+    """mysqlclient's cursor, which also reads a CALL's further result sets (see _call)."""
 
     def nextset(self) -> Any:
         with self.db.wrap_database_errors:
             return self.cursor.nextset()
-
-    def __enter__(self) -> _RawCursor:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        # Kept open for the next operation; every result was read (see _call).
-        pass
 
 
 def _autocommit(cursor: Any) -> bool:
