@@ -10,11 +10,15 @@ stale holder's write would land while a take-over is committing).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from io import StringIO
 
 import pytest
-from django.db import connection, connections, transaction
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import OperationalError, connection, connections, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
@@ -328,3 +332,51 @@ def test_the_backend_inside_a_transaction_runs_the_portable_steps_in_it():
     assert lease.token == grant.token + 1 and not in_transaction()
     assert Lock.objects.values_list("token", "owner").get(name="inside") == (lease.token, "")
 
+
+# -- a missing procedure (migration 0006 not run, or its procedures dropped) -----------------
+
+
+def test_a_missing_procedure_is_named_by_the_doctor_and_by_the_failing_call():
+    """Without distlock_release (as after a mysqldump without --routines) distlock_doctor
+    fails and says what to run, and the CALL's error 1305 says the same instead of only
+    "PROCEDURE … does not exist"; the failed release changed nothing, can be tried again,
+    and the connection stays usable. Put back, everything passes again."""
+    lease = acquire("orphan", ttl=30)
+    backend = backend_for(connection)
+    assert backend.missing_procedures(connection) == []
+    with connection.cursor() as cursor:
+        cursor.execute("DROP PROCEDURE distlock_release")
+    try:
+        assert backend.missing_procedures(connection) == ["distlock_release"]
+        out = StringIO()
+        with pytest.raises(CommandError, match="1 problem"):
+            call_command("distlock_doctor", stdout=out)
+        report = out.getvalue()
+        assert "[FAIL] stored procedure(s) distlock_release missing" in report
+        assert "0006_mysql_procedures" in report and "manage.py migrate distlock" in report
+        for use_lean_cursor in (True, False):
+            with contextlib.ExitStack() as watching:
+                if not use_lean_cursor:
+                    watching.enter_context(CaptureQueriesContext(connection))
+                with pytest.raises(OperationalError) as raised:
+                    lease.release()
+            error = raised.value
+            assert error.args[0] == 1305, error.args
+            assert "distlock's stored procedure distlock_release does not exist" in str(error)
+            assert "manage.py migrate distlock" in str(error) and "--routines" in str(error)
+            assert "does not exist" in str(error.__cause__)  # MariaDB's own message
+        assert not in_transaction()
+        assert Lock.objects.get(name="orphan").owner == lease.owner
+    finally:
+        with connection.schema_editor(atomic=False) as editor:
+            backend.install_procedures(editor, True)
+    assert backend.missing_procedures(connection) == []
+    assert "no problems" in _doctor()
+    assert lease.release() is True
+    assert Lock.objects.get(name="orphan").owner == ""
+
+
+def _doctor() -> str:
+    out = StringIO()
+    call_command("distlock_doctor", stdout=out)
+    return out.getvalue()

@@ -21,7 +21,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
 from distlock.backends.lean_cursor import LeanCursor
-from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
+from distlock.backends.mysql_procedures import DROP, NOW_US, PROCEDURES, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
 from distlock.constants import LOCK_TABLE, MAX_TOKEN, OWNED_INDEX
 
@@ -236,7 +236,24 @@ class MySQL(Backend):
         level = WARN if isolation.upper().replace("-", " ") == "READ UNCOMMITTED" else OK
         found.append((level, f"session isolation level is {isolation} (lock operations use "
                              "locking reads, which see the latest committed row)"))
+        missing = self.missing_procedures(connection)
+        if missing:
+            found.append((FAIL, f"stored procedure(s) {', '.join(missing)} missing (or this "
+                                f"user may not EXECUTE them): {_NO_PROCEDURE}"))
+        else:
+            found.append((OK, f"stored procedures {', '.join(PROCEDURES)} exist"))
         return found
+
+    def missing_procedures(self, connection: BaseDatabaseWrapper) -> list[str]:
+        """Which of migration 0006's procedures this connection's user cannot see in its
+        database (information_schema lists only routines the user has a privilege on)."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT ROUTINE_NAME FROM information_schema.ROUTINES WHERE "
+                "ROUTINE_SCHEMA = DATABASE() AND ROUTINE_TYPE = 'PROCEDURE'"
+            )
+            present = {str(name) for (name,) in cursor.fetchall()}
+        return [name for name in PROCEDURES if name not in present]
 
 
 def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
@@ -260,11 +277,36 @@ def _autocommit(cursor: Any) -> bool:
     )
 
 
+# What to do about a missing procedure: the doctor's finding and the error of a CALL.
+_NO_PROCEDURE = (
+    "migration distlock.0006_mysql_procedures has not run on this database, or its "
+    "procedures were dropped since (a mysqldump without --routines leaves them out); "
+    "acquire, renew and release CALL them. Run `manage.py migrate distlock` (if 0006 is "
+    "recorded as applied: `migrate distlock 0005`, then `migrate distlock`)"
+)
+# "PROCEDURE … does not exist" (ER_SP_DOES_NOT_EXIST).
+_NO_SUCH_PROCEDURE = 1305
+
+
 def _call(cursor: Any, sql: str, params: list[Any]) -> Any:
     """Run a ``CALL`` and return its one row. A CALL answers with the row's result set and
     then its own status: both are read here, or the connection's next statement fails
-    with "commands out of sync"."""
-    cursor.execute(sql, params)
+    with "commands out of sync".
+
+    A missing procedure raises the database's error again (same class, same code 1305)
+    with a message that says why and what to run, instead of MariaDB's bare
+    "PROCEDURE test.distlock_acquire does not exist".
+    """
+    try:
+        cursor.execute(sql, params)
+    except DatabaseError as exc:
+        if not exc.args or exc.args[0] != _NO_SUCH_PROCEDURE:
+            raise
+        procedure = sql.split()[1].split("(")[0]
+        raise type(exc)(
+            _NO_SUCH_PROCEDURE, f"distlock's stored procedure {procedure} does not exist: "
+            f"{_NO_PROCEDURE}. (distlock_doctor checks for them.)",
+        ) from exc
     row = cursor.fetchone()
     while cursor.nextset():
         pass
