@@ -35,24 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
 from benchmarks.harness import jain, percentile  # noqa: E402
+from tests.support import notifications  # noqa: E402
 
 NAME = "waited"
-_notified = 0
-
-
-def _count_notifications() -> None:
-    """Count every notification this process's psycopg connections hand out."""
-    import psycopg
-
-    original = psycopg.Connection.notifies
-
-    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _notified
-        for notify in original(self, *args, **kwargs):
-            _notified += 1
-            yield notify
-
-    psycopg.Connection.notifies = counting  # type: ignore[method-assign]
 
 
 def _worker(kind: str, index: int, hold: float, seconds: float, warmup: float,
@@ -61,7 +46,7 @@ def _worker(kind: str, index: int, hold: float, seconds: float, warmup: float,
     from benchmarks.cpu_split import cpu_seconds
 
     try:
-        _count_notifications()
+        notifications.count_notifications()
         if kind == "A":
             ref = c.PgUpsert(dbs.pg_conninfo(SUFFIX))
             ref.connect()
@@ -102,12 +87,11 @@ def _worker(kind: str, index: int, hold: float, seconds: float, warmup: float,
 
         loop(time.perf_counter() + warmup, None)
         barrier.wait(timeout=300)
-        global _notified
-        _notified = 0
+        notifications.reset()
         grants: list[tuple[float, float, float]] = []
         backend, cpu = cpu_seconds(pid), time.process_time()
         loop(time.perf_counter() + seconds, grants)
-        queue.put((index, grants, _notified, cpu_seconds(pid) - backend,
+        queue.put((index, grants, notifications.received(), cpu_seconds(pid) - backend,
                    time.process_time() - cpu))
     except BaseException as exc:  # noqa: BLE001 - the parent fails the run
         barrier.abort()

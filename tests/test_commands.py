@@ -522,6 +522,8 @@ def test_doctor_on_the_test_database():
         assert "same SQLite file as 'locks'" in out
     elif connection.vendor == "mysql":
         assert "[ok] distlock_lock.name collation is utf8mb4_nopad_bin" in out
+        assert "[ok] stored procedures distlock_acquire, distlock_renew, distlock_release " \
+               "exist" in out
         # Django's MySQL backend sets READ COMMITTED unless OPTIONS say otherwise.
         assert "isolation level is READ-COMMITTED" in out
         assert "[ok] the lock alias 'default' is its own connection" in out

@@ -89,18 +89,30 @@ def test_stale_holder_release_and_renew_are_noops(children):
 @pytest.mark.skipif(LIBFAKETIME is None, reason="needs libfaketime (Debian package faketime)")
 @pytest.mark.parametrize("skew", ["+30s", "-30s"])
 def test_client_clock_skew_changes_nothing(children, skew):
-    """A holder and a contender whose wall clocks are off by ±30 s, in opposite directions."""
+    """A holder and a contender whose wall clocks are off by ±30 s, in opposite directions.
+
+    The lease lives 20 s: less than either skew, so judging expiry by the contender's
+    clock (60 s ahead of the holder's, or 30 s ahead of the server's) or the holder's
+    remaining time by its own would fail, and far more than the few steps from the grant
+    to the contender's try — which is made only after the contender has started and
+    connected (a loaded machine can take seconds to start a process).
+    """
     if connections["default"].vendor == "sqlite":
         pytest.skip(
             "SQLite has no server clock: each process reads its host's clock, which all "
             "processes on the one host SQLite requires share (see README, limits)"
         )
     other = "-30s" if skew == "+30s" else "+30s"
-    holder = children.start("hold", "skew", 3.0, env=skewed_clock_env(skew))
+    contender = children.start("try_once", "skew", 20.0, env=skewed_clock_env(other))
+    contender.expect("ready", timeout=60)
+    started = time.time()
+    holder = children.start("hold", "skew", 20.0, env=skewed_clock_env(skew))
     held = holder.expect("acquired", timeout=60)
-    assert abs(held["wall"] - time.time() - int(skew[:-1])) < 5, "faketime did not skew"
+    seen = time.time()
+    # Read between this process's two readings of its own clock, shifted by the skew.
+    assert started - 1 < held["wall"] - int(skew[:-1]) < seen + 1, "faketime did not skew"
 
-    contender = children.start("try_once", "skew", 3.0, env=skewed_clock_env(other))
+    contender.send("go")
     assert contender.expect("busy", timeout=60), "a skewed clock took an unexpired lock"
     holder.send("remaining")
     assert holder.expect("remaining")["remaining"] > 0, "the holder lost its lease early"

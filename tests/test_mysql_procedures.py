@@ -11,15 +11,21 @@ stale holder's write would land while a take-over is committing).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from io import StringIO
 
 import pytest
-from django.db import connection, connections
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import OperationalError, connection, connections, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
-from distlock import LockLost, StaleToken, acquire
+from distlock import LockLost, StaleToken, TransactionNotAllowed, acquire
+from distlock.backends import backend_for
+from distlock.backends.results import Grant
 from distlock.db import db_now_us
 from distlock.models import Lock
 from tests.factories import AccountFactory
@@ -272,3 +278,184 @@ def test_folded_check_waits_for_a_take_over_and_refuses_the_stale_write(form):
     assert len(outcome) == 1 and isinstance(outcome[0], StaleToken), outcome
     row = Account.objects.get(pk=account.pk)
     assert (row.balance, row.fence_token) == (5, lease.token)
+
+
+# -- set_autocommit(False): the CALL path and the caller's transaction -----------------------
+#
+# A procedure's START TRANSACTION would commit whatever the caller's connection has open, so
+# a CALL must never be sent inside one. distlock's API refuses to run inside the caller's
+# transaction on the lock's alias (TransactionNotAllowed, before any statement); on a
+# separate lock alias the CALLs run on that connection, in autocommit, whatever the
+# caller's does; and the backend, called inside a transaction (never by the API), runs the
+# portable statements in it instead (docs/databases.md, "Stored procedures").
+
+
+def _calls(captured: CaptureQueriesContext) -> list[str]:
+    return [q["sql"].split("(", 1)[0] for q in captured if q["sql"].startswith("CALL")]
+
+
+def test_autocommit_off_on_the_lock_alias_refuses_before_any_call():
+    """Refused with nothing sent: the caller's own write stays uncommitted (its rollback
+    undoes it) and the lease is as it was. After set_autocommit(True) the same connection
+    and its kept lean cursor make the CALLs again."""
+    lease = acquire("manual", ttl=30)
+    before = Lock.objects.values().get(name="manual")
+    transaction.set_autocommit(False)
+    try:
+        account = AccountFactory(note="caller's write")
+        with CaptureQueriesContext(connection) as captured:
+            with pytest.raises(TransactionNotAllowed, match="set_autocommit"):
+                acquire("manual:new", ttl=30)
+            with pytest.raises(TransactionNotAllowed, match="set_autocommit"):
+                lease.renew(ttl=60)
+            with pytest.raises(TransactionNotAllowed, match="set_autocommit"):
+                lease.release()
+        assert list(captured) == [], "a refused operation sent a statement"
+        assert in_transaction(), "the caller's transaction was committed or ended"
+        transaction.rollback()
+    finally:
+        transaction.set_autocommit(True)
+    assert not Account.objects.filter(pk=account.pk).exists(), "the caller's write was committed"
+    assert Lock.objects.values().get(name="manual") == before
+    assert not Lock.objects.filter(name="manual:new").exists()
+    lease.renew(ttl=30)  # through the lean cursor: nothing watches the queries
+    assert Lock.objects.get(name="manual").renew_count == 1
+    with CaptureQueriesContext(connection) as captured:
+        assert lease.release() is True
+    assert _calls(captured) == ["CALL distlock_release"]
+    assert not in_transaction()
+    assert Lock.objects.get(name="manual").owner == ""
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+def test_autocommit_off_on_the_data_alias_calls_on_the_lock_alias_in_autocommit(settings, end):
+    """DISTLOCK_DATABASE on a second alias: the caller's transaction on the first stays
+    open and its own; each CALL runs on the lock alias with no transaction open there
+    before or after, and commits on its own, whichever way the caller ends."""
+    settings.DISTLOCK_DATABASE = "locks"
+    locks = connections["locks"]
+    locks.ensure_connection()
+    assert not in_transaction("locks")
+    transaction.set_autocommit(False)
+    try:
+        account = AccountFactory(note="caller's write")
+        with CaptureQueriesContext(locks) as captured:
+            lease = acquire("separate", ttl=30)
+            assert not in_transaction("locks")
+            granted = Lock.objects.using("locks").get(name="separate")
+            assert (granted.owner, granted.token) == (lease.owner, lease.token)
+            lease.renew(ttl=60)
+            assert not in_transaction("locks")
+            assert Lock.objects.using("locks").get(name="separate").renew_count == 1
+            assert lease.release() is True
+            assert not in_transaction("locks")
+        assert _calls(captured) == [
+            "CALL distlock_acquire", "CALL distlock_renew", "CALL distlock_release"
+        ]
+        assert in_transaction("default"), "the caller's transaction was committed"
+        (transaction.commit if end == "commit" else transaction.rollback)()
+    finally:
+        transaction.set_autocommit(True)
+    assert Account.objects.filter(pk=account.pk).exists() is (end == "commit")
+    row = Lock.objects.get(name="separate")
+    assert (row.token, row.owner, row.renew_count) == (lease.token, "", 1)
+    # Both connections go on as before: a grant through the API on the lock alias.
+    again = acquire("separate", ttl=30)
+    assert again.token == lease.token + 1 and again.release() is True
+    assert Account.objects.count() == (1 if end == "commit" else 0)
+
+
+def test_the_backend_inside_a_transaction_runs_the_portable_steps_in_it():
+    """Called with the caller's transaction open (the API never does), acquire, renew and
+    release send no CALL: their statements join that transaction, so its rollback undoes
+    a grant and its commit keeps it; the transaction stays open throughout."""
+    acquire("inside", ttl=30).release()
+    start = Lock.objects.get(name="inside").token
+    backend = backend_for(connection)
+    owner = "a" * 32
+    transaction.set_autocommit(False)
+    try:
+        with CaptureQueriesContext(connection) as captured, connection.cursor() as cursor:
+            grant = backend.acquire_existing(cursor, "inside", owner, "by hand", 30_000_000)
+            assert isinstance(grant, Grant) and grant.token == start + 1
+            assert in_transaction()
+        sql = [q["sql"] for q in captured]
+        assert _calls(captured) == [] and any("FOR UPDATE" in s for s in sql), sql
+        transaction.rollback()
+        assert Lock.objects.values_list("token", "owner").get(name="inside") == (start, "")
+
+        with CaptureQueriesContext(connection) as captured, connection.cursor() as cursor:
+            grant = backend.acquire_existing(cursor, "inside", owner, "by hand", 30_000_000)
+            assert isinstance(grant, Grant) and grant.token == start + 1
+            renewed = backend.renew(cursor, "inside", owner, grant.token, 60_000_000)
+            assert isinstance(renewed, Grant) and renewed.token == grant.token
+            assert in_transaction()
+        transaction.commit()
+        row = Lock.objects.get(name="inside")
+        assert (row.token, row.owner, row.renew_count) == (grant.token, owner, 1)
+
+        with connection.cursor() as cursor:
+            held, released_us = backend.release(cursor, "inside", owner, grant.token)
+            assert held is True and released_us is not None
+        transaction.commit()
+        assert _calls(captured) == []
+    finally:
+        transaction.set_autocommit(True)
+    assert Lock.objects.values_list("token", "owner").get(name="inside") == (grant.token, "")
+    # The CALL path is back on the same connection, through Django's cursor and the lean
+    # one (used when nothing watches the queries).
+    with CaptureQueriesContext(connection) as captured:
+        lease = acquire("inside", ttl=30)
+    assert _calls(captured) == ["CALL distlock_acquire"]
+    assert lease.release() is True
+    assert lease.token == grant.token + 1 and not in_transaction()
+    assert Lock.objects.values_list("token", "owner").get(name="inside") == (lease.token, "")
+
+
+# -- a missing procedure (migration 0006 not run, or its procedures dropped) -----------------
+
+
+def test_a_missing_procedure_is_named_by_the_doctor_and_by_the_failing_call():
+    """Without distlock_release (as after a mysqldump without --routines) distlock_doctor
+    fails and says what to run, and the CALL's error 1305 says the same instead of only
+    "PROCEDURE … does not exist"; the failed release changed nothing, can be tried again,
+    and the connection stays usable. Put back, everything passes again."""
+    lease = acquire("orphan", ttl=30)
+    backend = backend_for(connection)
+    assert backend.missing_procedures(connection) == []
+    with connection.cursor() as cursor:
+        cursor.execute("DROP PROCEDURE distlock_release")
+    try:
+        assert backend.missing_procedures(connection) == ["distlock_release"]
+        out = StringIO()
+        with pytest.raises(CommandError, match="1 problem"):
+            call_command("distlock_doctor", stdout=out)
+        report = out.getvalue()
+        assert "[FAIL] stored procedure(s) distlock_release missing" in report
+        assert "0006_mysql_procedures" in report and "manage.py migrate distlock" in report
+        for use_lean_cursor in (True, False):
+            with contextlib.ExitStack() as watching:
+                if not use_lean_cursor:
+                    watching.enter_context(CaptureQueriesContext(connection))
+                with pytest.raises(OperationalError) as raised:
+                    lease.release()
+            error = raised.value
+            assert error.args[0] == 1305, error.args
+            assert "distlock's stored procedure distlock_release does not exist" in str(error)
+            assert "manage.py migrate distlock" in str(error) and "--routines" in str(error)
+            assert "does not exist" in str(error.__cause__)  # MariaDB's own message
+        assert not in_transaction()
+        assert Lock.objects.get(name="orphan").owner == lease.owner
+    finally:
+        with connection.schema_editor(atomic=False) as editor:
+            backend.install_procedures(editor, True)
+    assert backend.missing_procedures(connection) == []
+    assert "no problems" in _doctor()
+    assert lease.release() is True
+    assert Lock.objects.get(name="orphan").owner == ""
+
+
+def _doctor() -> str:
+    out = StringIO()
+    call_command("distlock_doctor", stdout=out)
+    return out.getvalue()

@@ -28,6 +28,7 @@ from django.test.utils import CaptureQueriesContext
 from distlock import StaleToken, TransactionNotAllowed, acquire, purge_locks, signals
 from distlock.audit import purge_events
 from distlock.backends import backend_for
+from distlock.backends.lean_cursor import LeanCursor
 from distlock.constants import PURGE_BUSY_RETRIES
 from distlock.models import Lock, LockEvent, TokenFloor
 from distlock.testing import make_stale
@@ -145,12 +146,12 @@ def test_the_lean_cursor_is_used_only_when_nobody_watches():
     acquire("lean", ttl=30).release()
     assert not connection.queries_logged
     lean = backend.statement_cursor(connection)
-    assert type(lean).__name__ == "_LeanCursor"
+    assert isinstance(lean, LeanCursor)
     assert backend.statement_cursor(connection) is lean, "one per database session"
     with CaptureQueriesContext(connection):
-        assert type(backend.statement_cursor(connection)).__name__ != "_LeanCursor"
+        assert not isinstance(backend.statement_cursor(connection), LeanCursor)
     with connection.execute_wrapper(lambda execute, *args: execute(*args[:-1])):
-        assert type(backend.statement_cursor(connection)).__name__ != "_LeanCursor"
+        assert not isinstance(backend.statement_cursor(connection), LeanCursor)
     connection.close()
     connection.ensure_connection()
     assert backend.statement_cursor(connection) is not lean, "a new session, a new cursor"

@@ -6,14 +6,18 @@ time from release to grant tells whether the notification or the poll woke it.
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
+from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connection
 
-from distlock import acquire, break_lock
+from distlock import aacquire, acquire, break_lock
 from distlock.db import db_now_us
-from tests.support.helpers import wait_until
+from tests.support.helpers import run_async, us, wait_until
 
 pytestmark = [
     pytest.mark.usefixtures("lock_db"),
@@ -236,3 +240,109 @@ def test_a_killed_waiter_is_skipped_and_the_next_one_is_handed_the_lock(children
     finally:
         raw.close()
     assert second.finish() == 0
+
+
+# -- async acquires beside queued sync waiters ----------------------------------------------
+#
+# Async waiters are not queued (README, "Waiting"): an async try is refused like any other
+# while a hand-off's window is open. A *blocking* async acquire that waits LISTENs on the
+# lock's channel, and while it does, releases reserve nothing and everybody races (so that
+# it cannot be starved by a queue it is not in); a blocking=False try never listens.
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_async_tries_never_jump_the_queue_of_sync_waiters(children):
+    """3 sync waiters (processes) queued behind a holder; a coroutine of this process tries
+    blocking=False over and over from before the release. Every release hands the lock
+    to the next queued waiter and its window refuses the coroutine, so the sync waiters
+    are served in the order they queued and the coroutine only after the last of them."""
+    count = 3
+    holder = acquire("mixed", ttl=60)
+    tried, released = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    async def poll() -> tuple[int, int]:
+        refused_after_release = 0
+        while (lease := await aacquire("mixed", ttl=30, blocking=False)) is None:
+            if released.is_set():
+                refused_after_release += 1
+            tried.set()
+            # The pace of the tries (not a wait for something): a few hundred a second,
+            # without taking the CPU the waiters need to come for their grants.
+            await asyncio.sleep(0.002)
+        token = lease.token
+        assert await lease.arelease() is True
+        return token, refused_after_release
+
+    def poller() -> None:
+        try:
+            outcome["result"] = run_async(poll, 90)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome["error"] = exc
+
+    raw = _raw()
+    thread = threading.Thread(target=poller, name="async-poller", daemon=True)
+    try:
+        workers = _line_up(children, raw, "mixed", count, 1)
+        thread.start()
+        assert tried.wait(30), "the coroutine made no try"
+        assert holder.release() is True
+        released.set()
+        tokens = [worker.expect("acquired", timeout=60)["token"] for worker in workers]
+        thread.join(90)
+        assert not thread.is_alive(), "the coroutine was never granted the lock"
+    finally:
+        released.set()
+        raw.close()
+    assert "error" not in outcome, outcome.get("error")
+    async_token, refused = outcome["result"]
+    first = holder.token + 1
+    assert tokens == list(range(first, first + count)), (
+        f"sync waiters' tokens {tokens}: not served in the order they queued")
+    assert async_token == first + count, (
+        f"the coroutine got token {async_token}, ahead of a queued waiter ({tokens})")
+    assert refused >= 1, "no try of the coroutine fell between the release and its grant"
+    for worker in workers:
+        assert worker.expect("done", timeout=60)["notified"] >= 1
+        assert worker.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiter queues on a session of its own")
+def test_an_async_waiter_gets_a_stopped_waiters_lock_only_when_the_window_ends(children):
+    """The release hands the lock to a SIGSTOPped sync waiter; a blocking async acquire
+    begun inside the window is granted by the window's end (the stopped waiter never
+    came), not before it, and the waiter, let go on, is handed the lock after it."""
+    holder = acquire("stopped", ttl=60)
+    raw = _raw()
+    try:
+        (waiter,) = _line_up(children, raw, "stopped", 1, 1)
+        pid = _queued(raw, "stopped")[0]
+        waiter.signal(signal.SIGSTOP)
+        assert holder.release() is True
+        reserved_pid, until_us = _reservation(raw, "stopped")
+        assert reserved_pid == pid and until_us > 0
+
+        async def wait() -> tuple[int, int, int]:
+            began_us = await sync_to_async(db_now_us)("default")
+            lease = await aacquire("stopped", ttl=30, timeout=30)
+            assert lease is not None, "the async acquire timed out"
+            return began_us, us(lease.acquired_at), lease.token
+
+        began_us, acquired_us, token = run_async(wait)
+        assert began_us < until_us, "the async acquire began after the window"
+        assert acquired_us >= until_us, (
+            f"granted {(until_us - acquired_us) / 1e3:.1f} ms inside the stopped waiter's "
+            "window")
+        assert token == holder.token + 1
+        assert _reservation(raw, "stopped") == (0, 0), "the grant left a reservation"
+        waiter.signal(signal.SIGCONT)
+        # The coroutine's lease is still held (run_async only closed its connection).
+        assert acquire("stopped", ttl=30, blocking=False) is None
+        assert break_lock("stopped") is True  # frees it, as its release would
+        assert waiter.expect("acquired", timeout=60)["token"] == token + 1
+        assert waiter.expect("done", timeout=60)["notified"] >= 1
+    finally:
+        raw.close()
+    assert waiter.finish() == 0

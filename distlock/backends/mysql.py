@@ -20,7 +20,8 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
-from distlock.backends.mysql_procedures import DROP, NOW_US, procedures_sql
+from distlock.backends.lean_cursor import LeanCursor
+from distlock.backends.mysql_procedures import DROP, NOW_US, PROCEDURES, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
 from distlock.constants import EVENT_TABLE, LOCK_TABLE, MAX_TOKEN, OWNED_INDEX, RARE_EVENTS_INDEX
 
@@ -167,16 +168,10 @@ class MySQL(Backend):
         )]
 
     def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
-        """mysqlclient's own cursor, kept per database session, but only when nobody
-        watches this connection's queries (DEBUG's query log, assertNumQueries,
-        execute_wrappers see every statement through Django's cursor)."""
-        if connection.queries_logged or connection.execute_wrappers:
-            return connection.cursor()
-        connection.validate_thread_sharing()
-        cursor: _RawCursor | None = getattr(connection, "_distlock_cursor", None)
-        if cursor is None or cursor.raw is not connection.connection:
-            cursor = connection._distlock_cursor = _RawCursor(connection)  # type: ignore[attr-defined]
-        return cursor
+        """mysqlclient's own cursor (:class:`_RawCursor`), as :meth:`LeanCursor.reused`
+        gives it: Django's cursor goes through two wrappers per call, about a quarter of
+        the client CPU of an operation that is one CALL."""
+        return _RawCursor.reused(connection)
 
     # -- the lock operations: stored procedures (migration 0006) ---------------------------
 
@@ -249,43 +244,36 @@ class MySQL(Backend):
         level = WARN if isolation.upper().replace("-", " ") == "READ UNCOMMITTED" else OK
         found.append((level, f"session isolation level is {isolation} (lock operations use "
                              "locking reads, which see the latest committed row)"))
+        missing = self.missing_procedures(connection)
+        if missing:
+            found.append((FAIL, f"stored procedure(s) {', '.join(missing)} missing (or this "
+                                f"user may not EXECUTE them): {_NO_PROCEDURE}"))
+        else:
+            found.append((OK, f"stored procedures {', '.join(PROCEDURES)} exist"))
         return found
+
+    def missing_procedures(self, connection: BaseDatabaseWrapper) -> list[str]:
+        """Which of migration 0006's procedures this connection's user cannot see in its
+        database (information_schema lists only routines the user has a privilege on)."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT ROUTINE_NAME FROM information_schema.ROUTINES WHERE "
+                "ROUTINE_SCHEMA = DATABASE() AND ROUTINE_TYPE = 'PROCEDURE'"
+            )
+            present = {str(name) for (name,) in cursor.fetchall()}
+        return [name for name in PROCEDURES if name not in present]
 
 
 def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
     return bool(getattr(connection, "mysql_is_mariadb", False))
 
 
-class _RawCursor:
-    """A mysqlclient cursor with Django's error wrapping, for one-statement operations.
-
-    Django's cursor is made anew for every operation and goes through two wrappers per
-    call; for an operation that is one CALL that was about a quarter of its client CPU.
-    """
-
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        self.db = connection
-        self.raw = connection.connection
-        self.cursor = self.raw.cursor()
-
-    def execute(self, sql: str, params: Any = None) -> None:
-        with self.db.wrap_database_errors:
-            self.cursor.execute(sql, params)
-
-    def fetchone(self) -> Any:
-        with self.db.wrap_database_errors:
-            return self.cursor.fetchone()
+class _RawCursor(LeanCursor):
+    """mysqlclient's cursor, which also reads a CALL's further result sets (see _call)."""
 
     def nextset(self) -> Any:
         with self.db.wrap_database_errors:
             return self.cursor.nextset()
-
-    def __enter__(self) -> _RawCursor:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        # Kept open for the next operation; every result was read (see _call).
-        pass
 
 
 def _autocommit(cursor: Any) -> bool:
@@ -297,11 +285,36 @@ def _autocommit(cursor: Any) -> bool:
     )
 
 
+# What to do about a missing procedure: the doctor's finding and the error of a CALL.
+_NO_PROCEDURE = (
+    "migration distlock.0006_mysql_procedures has not run on this database, or its "
+    "procedures were dropped since (a mysqldump without --routines leaves them out); "
+    "acquire, renew and release CALL them. Run `manage.py migrate distlock` (if 0006 is "
+    "recorded as applied: `migrate distlock 0005`, then `migrate distlock`)"
+)
+# "PROCEDURE … does not exist" (ER_SP_DOES_NOT_EXIST).
+_NO_SUCH_PROCEDURE = 1305
+
+
 def _call(cursor: Any, sql: str, params: list[Any]) -> Any:
     """Run a ``CALL`` and return its one row. A CALL answers with the row's result set and
     then its own status: both are read here, or the connection's next statement fails
-    with "commands out of sync"."""
-    cursor.execute(sql, params)
+    with "commands out of sync".
+
+    A missing procedure raises the database's error again (same class, same code 1305)
+    with a message that says why and what to run, instead of MariaDB's bare
+    "PROCEDURE test.distlock_acquire does not exist".
+    """
+    try:
+        cursor.execute(sql, params)
+    except DatabaseError as exc:
+        if not exc.args or exc.args[0] != _NO_SUCH_PROCEDURE:
+            raise
+        procedure = sql.split()[1].split("(")[0]
+        raise type(exc)(
+            _NO_SUCH_PROCEDURE, f"distlock's stored procedure {procedure} does not exist: "
+            f"{_NO_PROCEDURE}. (distlock_doctor checks for them.)",
+        ) from exc
     row = cursor.fetchone()
     while cursor.nextset():
         pass

@@ -18,6 +18,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends import pg_collation
 from distlock.backends.base import Backend
+from distlock.backends.lean_cursor import LeanCursor
 from distlock.backends.results import OK, RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE, MAX_TOKEN
@@ -50,29 +51,25 @@ def fence_trigger_name(table: str) -> str:
     return f"{table}_fence_token_up"[:63]
 
 
-class _BoundCursor:
-    """A psycopg cursor with server-side binding, prepared statements and Django's error
-    wrapping.
+class _BoundCursor(LeanCursor):
+    """A psycopg cursor with server-side binding and prepared statements.
 
     Django's own PostgreSQL cursor binds parameters on the client (quoting them into the
-    SQL text) and goes through its cursor wrapper; for a lock operation that is one short
-    statement this is a measurable part of the cost (see benchmarks/). With
-    ``DISTLOCK_PREPARE_STATEMENTS`` (the default) each of distlock's few statements is
-    prepared at its first use on a database session, so the server stops parsing and
-    planning every call; with it False they are prepared as the connection says
-    (``OPTIONS["prepare_threshold"]``; Django's default prepares nothing), which a
-    transaction-pooling PgBouncer older than 1.21 needs.
+    SQL text); for a lock operation that is one short statement this is a measurable part
+    of the cost (see benchmarks/). With ``DISTLOCK_PREPARE_STATEMENTS`` (the default) each
+    of distlock's few statements is prepared at its first use on a database session, so
+    the server stops parsing and planning every call; with it False they are prepared as
+    the connection says (``OPTIONS["prepare_threshold"]``; Django's default prepares
+    nothing), which a transaction-pooling PgBouncer older than 1.21 needs.
     """
 
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+    def open(self, raw: Any) -> Any:
         import psycopg
 
-        self.connection = connection
-        self.raw = connection.connection
-        self.cursor = psycopg.Cursor(self.raw)
+        return psycopg.Cursor(raw)
 
     def execute(self, sql: str, params: Any = None) -> None:
-        with self.connection.wrap_database_errors:
+        with self.db.wrap_database_errors:
             if not conf.PREPARE_STATEMENTS:
                 self.cursor.execute(sql, params)
                 return
@@ -103,17 +100,6 @@ class _BoundCursor:
             self.cursor.execute(sql, params, prepare=True)
         finally:
             raw.prepare_threshold = None
-
-    def fetchone(self) -> Any:
-        with self.connection.wrap_database_errors:
-            return self.cursor.fetchone()
-
-    def __enter__(self) -> _BoundCursor:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        # Kept open: the next operation on this connection reuses it (statement_cursor).
-        pass
 
 
 @functools.cache
@@ -159,18 +145,11 @@ class PostgreSQL(Backend):
         return sqlstate == "57014" and "statement timeout" in message
 
     def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
-        """The lean cursor, but only when nobody watches this connection's queries:
-        Django's debug query log (DEBUG, assertNumQueries) and execute_wrappers see every
-        statement through Django's own cursor, as they would for the ORM."""
-        if connection.queries_logged or connection.execute_wrappers or not is_psycopg3():
+        """The lean cursor (:class:`_BoundCursor`) where psycopg 3 runs, as
+        :meth:`LeanCursor.reused` gives it."""
+        if not is_psycopg3():
             return connection.cursor()
-        connection.validate_thread_sharing()
-        # One cursor per database session, made again after a reconnect: creating a
-        # psycopg cursor per statement is a measurable part of an operation's client CPU.
-        cursor: _BoundCursor | None = getattr(connection, "_distlock_cursor", None)
-        if cursor is None or cursor.raw is not connection.connection:
-            cursor = connection._distlock_cursor = _BoundCursor(connection)  # type: ignore[attr-defined]
-        return cursor
+        return _BoundCursor.reused(connection)
 
     # -- wake-ups: LISTEN/NOTIFY (see wakeups.py) ----------------------------------------
 

@@ -3,7 +3,7 @@
 Grant, renewal and release are one autocommit statement each in the common case — an
 ``UPDATE … RETURNING`` (SQLite 3.35+) whose write lock is taken when it starts, before
 ``julianday('now')`` is read — sent through the raw sqlite3 cursor when nothing watches
-the connection's queries (:class:`_LeanCursor`). What needs more than one statement (an
+the connection's queries (:class:`_QmarkCursor`). What needs more than one statement (an
 expired lease taken over, a refusal's reason, an old SQLite without RETURNING) runs the
 portable steps of :class:`~distlock.backends.base.Backend` in a ``BEGIN IMMEDIATE``
 transaction of its own (:meth:`SQLite.immediate`), not through Django's ``atomic()``.
@@ -22,6 +22,7 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
+from distlock.backends.lean_cursor import LeanCursor
 from distlock.backends.results import FAIL, OK, WARN, Busy, Grant
 from distlock.constants import FLOOR_ID, FLOOR_TABLE, MAX_TOKEN
 from distlock.constants import LOCK_TABLE as TABLE
@@ -81,41 +82,16 @@ def _qmark(sql: str) -> str:
     return sql.replace("%s", "?")
 
 
-class _LeanCursor:
-    """The raw sqlite3 cursor with Django's error wrapping, for distlock's own statements.
+class _QmarkCursor(LeanCursor):
+    """The raw sqlite3 cursor, distlock's ``%s`` placeholders turned into its ``?``.
 
-    Django's cursor wrapper rewrites every query's placeholders with a regex and goes
-    through its debug and wrapper layers; for a lock operation that is a few short
-    statements this is a measurable part of the cost (see docs/performance.md).
+    Django's cursor wrapper rewrites every query's placeholders with a regex; distlock's
+    few statements are rewritten once each (``_qmark``, cached).
     """
 
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        self.connection = connection
-        self.raw = connection.connection
-        self.cursor = self.raw.cursor()
-
     def execute(self, sql: str, params: Any = ()) -> None:
-        with self.connection.wrap_database_errors:
+        with self.db.wrap_database_errors:
             self.cursor.execute(_qmark(sql), params)
-
-    def fetchone(self) -> Any:
-        with self.connection.wrap_database_errors:
-            return self.cursor.fetchone()
-
-    def fetchall(self) -> Any:
-        with self.connection.wrap_database_errors:
-            return self.cursor.fetchall()
-
-    @property
-    def rowcount(self) -> int:
-        return int(self.cursor.rowcount)
-
-    def __enter__(self) -> _LeanCursor:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        # Kept open: the next operation on this connection reuses it (statement_cursor).
-        pass
 
 
 class SQLite(Backend):
@@ -150,19 +126,9 @@ class SQLite(Backend):
         return _render(template, self.now_sql())
 
     def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
-        """The lean cursor, but only when nobody watches this connection's queries:
-        Django's debug query log (DEBUG, assertNumQueries) and execute_wrappers see every
-        statement through Django's own cursor, as on PostgreSQL."""
-        if connection.queries_logged or connection.execute_wrappers:
-            return connection.cursor()
-        connection.validate_thread_sharing()
-        # db.run() may just have closed a broken connection: open it again, as Django's
-        # cursor() would.
-        connection.ensure_connection()
-        cursor: _LeanCursor | None = getattr(connection, "_distlock_cursor", None)
-        if cursor is None or cursor.raw is not connection.connection:
-            cursor = connection._distlock_cursor = _LeanCursor(connection)  # type: ignore[attr-defined]
-        return cursor
+        """The lean cursor (:class:`_QmarkCursor`), as :meth:`LeanCursor.reused` gives it.
+        (db.run_on() has opened the connection, also one it just closed as broken.)"""
+        return _QmarkCursor.reused(connection)
 
     def busy(self, exc: DatabaseError) -> bool:
         # SQLITE_BUSY and SQLITE_LOCKED, with their extended codes (the low byte).

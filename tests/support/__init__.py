@@ -8,4 +8,6 @@
   ``celery worker`` processes that run it.
 * ``pg_clusters`` — private PostgreSQL servers (one, or a primary and a streaming standby)
   for the fault and failover tests.
+* ``notifications`` — counts the LISTEN/NOTIFY wake-ups a process receives (the hand-off
+  tests' workers and benchmarks/waiters.py).
 """

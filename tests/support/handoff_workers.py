@@ -3,26 +3,8 @@ as ``tests.support.handoff_workers:ROLE``."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from tests.support.notifications import count_notifications, received
 from tests.support.worker import command, emit, lease_data
-
-_notified = 0
-
-
-def _count_notifications() -> None:
-    """Count every notification this process's psycopg connections hand out: the wake-ups."""
-    import psycopg
-
-    original = psycopg.Connection.notifies
-
-    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _notified
-        for notify in original(self, *args, **kwargs):
-            _notified += 1
-            yield notify
-
-    psycopg.Connection.notifies = counting  # type: ignore[method-assign]
 
 
 def in_line(name: str, grants: int, timeout: float) -> None:
@@ -32,7 +14,7 @@ def in_line(name: str, grants: int, timeout: float) -> None:
 
     from distlock import acquire
 
-    _count_notifications()
+    count_notifications()
     connection.ensure_connection()
     emit("ready", backend_pid=connection.connection.info.backend_pid)
     command()
@@ -43,4 +25,4 @@ def in_line(name: str, grants: int, timeout: float) -> None:
             return
         emit("acquired", **lease_data(lease))
         lease.release()
-    emit("done", notified=_notified)
+    emit("done", notified=received())

@@ -82,9 +82,15 @@ def hold(name: str, ttl: float, timeout: float | None = 30) -> None:
 
 
 def try_once(name: str, ttl: float) -> None:
-    """One non-blocking try."""
+    """One non-blocking try, after a "go" command: the process starts and connects first,
+    so how long a (loaded) machine takes to start it is not part of the try's timing."""
+    from django.db import connection
+
     from distlock import acquire
 
+    connection.ensure_connection()
+    emit("ready")
+    command()
     lease = acquire(name, ttl=ttl, blocking=False)
     if lease is None:
         emit("busy", wall=time.time())

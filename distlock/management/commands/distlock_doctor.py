@@ -1,9 +1,11 @@
 """Check the lock database: clock skew against this server, SQLite transaction mode,
-MariaDB/MySQL collation and isolation, the tables, and whether locks can be taken inside
-your transactions. Exits non-zero on any FAIL.
+MariaDB/MySQL collation, isolation and stored procedures, the tables, and whether locks
+can be taken inside your transactions. Exits non-zero on any FAIL.
 
 It looks at what the system checks cannot see without a connection: the live clocks,
-the collation the lock table really got, the session isolation level, the tables.
+the collation the lock table really got, the session isolation level, the tables and
+procedures. (A missing table or procedure is not a system check: ``migrate`` runs the
+checks before it migrates, so such an error would stop the command that creates them.)
 """
 
 from __future__ import annotations
