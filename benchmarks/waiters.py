@@ -9,8 +9,9 @@ back, the reference's spinning; distlock: a blocking ``acquire(timeout=…)``), 
 ``--hold`` seconds, release. Per scenario it reports grants/s, wait-to-grant p50/p99 (the
 call, or A's first refused try, to the grant), the longest wait, how many grants one other
 worker got at most while a worker waited ("overtaken": 1 is first come, first served),
-Jain's index of the grants per worker, notifications received per release (every
-``psycopg.Connection.notifies()`` item counted in each worker), and the server's CPU per
+Jain's index of the grants per worker, wake-ups per release (every
+``psycopg.Connection.notifies()`` item counted in each worker, and every waiter woken
+because the one ahead of it left the queue), and the server's CPU per
 grant (each worker's backend, from ``/proc/<pid>/stat``: run it on the database's own
 machine). Its own database (``distlock_bench`` + ``--db-suffix``, default
 ``_waiters``): a run against an older distlock (``PYTHONPATH=<other tree>``) needs a
@@ -53,6 +54,20 @@ def _count_notifications() -> None:
             yield notify
 
     psycopg.Connection.notifies = counting  # type: ignore[method-assign]
+    # A waiter woken because the one ahead of it left the queue (distlock_follow said
+    # "moved"): a wake-up too, by PostgreSQL's lock manager rather than a notification.
+    from distlock.backends.postgresql import PostgreSQL
+
+    follow = getattr(PostgreSQL, "follow", None)
+    if follow is not None:
+
+        def following(self: Any, *args: Any) -> tuple[str, bool]:
+            global _notified
+            status, free = follow(self, *args)
+            _notified += status == "moved"
+            return status, free
+
+        PostgreSQL.follow = following  # type: ignore[attr-defined]
 
 
 def _worker(kind: str, index: int, hold: float, seconds: float, warmup: float,

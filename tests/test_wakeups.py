@@ -7,6 +7,7 @@ time from release to grant tells whether the notification or the poll woke it.
 from __future__ import annotations
 
 import signal
+from collections import Counter
 
 import pytest
 from django.db import connection
@@ -26,6 +27,7 @@ pytestmark = [
 POLL = 6.0  # the waiter's pause: 3-6 s with jitter
 WAKEUP_CLASS = 1684825963
 QUEUE_CLASS = 1684825969  # distlock_queue's "someone is queued" (migration 0007)
+ENTRY_CLASS = 1684825957  # a queue entry's lock, held by its waiter (migration 0011)
 
 
 def _raw():
@@ -131,13 +133,44 @@ def _queued(raw, name: str) -> list[int]:
     )]
 
 
-def _line_up(children, raw, name: str, count: int, grants: int) -> list:
-    """``count`` in_line workers, queued for ``name`` one after another (in that order)."""
-    workers = [children.start(IN_LINE, name, grants, 120.0) for _ in range(count)]
+def _entries(raw, name: str) -> list[tuple[int, int]]:
+    """(entry id, backend pid) of ``name``'s queue, oldest first."""
+    return [(int(queued), int(pid)) for queued, pid in raw.execute(
+        "SELECT id, pid FROM distlock_waiter WHERE name = %s ORDER BY id", [name]
+    )]
+
+
+def _behind(raw) -> dict[int, int]:
+    """Waiting backend pid -> the entry id whose lock it waits for (not yet granted)."""
+    return {int(pid): int(objid) for pid, objid in raw.execute(
+        "SELECT pid, objid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+        "AND objsubid = 2 AND mode = 'ShareLock' AND NOT granted", [ENTRY_CLASS]
+    )}
+
+
+def _chained(raw, name: str, pids: list[int]) -> bool:
+    """Are ``pids`` (live waiters, in queue order) a chain: the first waits for no entry,
+    each other one for the entry of the one just ahead of it?"""
+    entry = {pid: queued for queued, pid in _entries(raw, name)}
+    behind = _behind(raw)
+    return pids[0] not in behind and all(
+        behind.get(pid) == entry.get(ahead) for ahead, pid in zip(pids, pids[1:]))
+
+
+def _line_up(children, raw, name: str, count: int, grants: int,
+             timeouts: dict[int, float] | None = None, lock_timeout: str = "",
+             poll: float | None = None) -> list:
+    """``count`` in_line workers, queued for ``name`` one after another (in that order),
+    each but the first waiting behind the one ahead of it; worker n's timeout is
+    ``timeouts[n]`` (default 120 s), and each session's own lock_timeout
+    ``lock_timeout`` (default: the server's) and DISTLOCK_POLL_MAX_INTERVAL ``poll``."""
+    workers = [children.start(IN_LINE, name, grants, (timeouts or {}).get(n, 120.0),
+                              lock_timeout, poll) for n in range(count)]
     pids = [worker.expect("ready", timeout=60)["backend_pid"] for worker in workers]
     for number, worker in enumerate(workers):
         worker.send("go")
-        wait_until(lambda n=number: _queued(raw, name) == pids[: n + 1], 30,
+        wait_until(lambda n=number: _queued(raw, name) == pids[: n + 1]
+                   and _chained(raw, name, pids[: n + 1]), 30,
                    f"waiter {number} queued behind the others")
     return workers
 
@@ -155,18 +188,25 @@ def test_each_release_wakes_one_waiter_and_they_are_served_in_turn(children):
         assert holder.release() is True
         got = [(event["token"], number) for number, worker in enumerate(workers)
                for event in (worker.expect("acquired", timeout=60) for _ in range(grants))]
-        notified = [worker.expect("done", timeout=60)["notified"] for worker in workers]
+        done = [worker.expect("done", timeout=60) for worker in workers]
         wait_until(lambda: _queued(raw, "line") == [], 30, "the queue emptied")
     finally:
         raw.close()
     got.sort()
     assert [token for token, _ in got] == list(range(holder.token + 1,
                                                      holder.token + 1 + count * grants))
-    # Woken once per hand-off: at most one notification per release (the holder's and
-    # the workers' own), and most grants came by one (not by the 0.5-1 s poll).
+    # Woken once or twice per hand-off: at most one notification per release (the
+    # holder's and the workers' own) and one waiter moving up the chain, and the grants
+    # came by them, not by the waiters' polls (a wait that ran out: 0.5 s or more).
+    notified = [event["notified"] for event in done]
+    waits: Counter[str] = Counter()
+    for event in done:
+        waits.update(event["waits"])
     releases = 1 + count * grants
-    assert sum(notified) <= releases, f"{notified}: more wake-ups than releases"
-    assert sum(notified) >= count * grants // 2, f"{notified}: the grants came by polling"
+    assert sum(notified) <= releases, f"{notified}: more notifications than releases"
+    assert sum(notified) + waits["moved"] <= 2 * releases, f"{waits}: more than 2 per release"
+    polls = waits["waited"] + waits["timed out"]
+    assert polls <= count * grants // 2, f"{waits}: the grants came by polling"
     # First come, first served (a window that ran out under load may let one poller
     # ahead): while one waits, nobody else is served more than twice.
     order = [number for _, number in got]
@@ -236,3 +276,111 @@ def test_a_killed_waiter_is_skipped_and_the_next_one_is_handed_the_lock(children
     finally:
         raw.close()
     assert second.finish() == 0
+
+
+# -- the chain: only the head listens, the others wait behind the one ahead (0011) --------
+
+# The waiters' DISTLOCK_POLL_MAX_INTERVAL: their first poll comes 30 s or more after they
+# queue, so every grant in these tests is a wake-up.
+POLL_OFF = 60.0
+
+
+def _holds_nothing(raw, pid: int) -> bool:
+    """Backend ``pid`` is in no queue: no advisory lock held or awaited, no queue row."""
+    locks = raw.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                        "AND pid = %s", [pid]).fetchone()[0]
+    rows = raw.execute("SELECT count(*) FROM distlock_waiter WHERE pid = %s",
+                       [pid]).fetchone()[0]
+    return locks == 0 and rows == 0
+
+
+def _served_in_turn(holder, workers) -> None:
+    """The holder's release hands the lock down ``workers`` in order, by hand-offs (the
+    waiters' polls are POLL_OFF: no wait of theirs ran out)."""
+    assert holder.release() is True
+    for offset, worker in enumerate(workers, start=1):
+        assert worker.expect("acquired", timeout=60)["token"] == holder.token + offset
+    for worker in workers:
+        waits = worker.expect("done", timeout=60)["waits"]
+        assert waits.get("waited", 0) + waits.get("timed out", 0) == 0, (
+            f"{waits}: a waiter was served by its poll, not woken")
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_killed_waiter_in_the_middle_of_the_chain_strands_nobody(children):
+    """SIGKILL the second of four queued waiters: the third, which waited behind it, now
+    waits behind the first (the dead one's row is still there, its lock gone), and the
+    lock goes round the three survivors in order, each woken, none by its poll."""
+    holder = acquire("middle", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "middle", 4, 1, poll=POLL_OFF)
+        pids = _queued(raw, "middle")
+        workers[1].kill()
+        wait_until(lambda: raw.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                       [pids[1]]).fetchone()[0] == 0, 30, "the session ended")
+        survivors = [pids[0], pids[2], pids[3]]
+        wait_until(lambda: _chained(raw, "middle", survivors), 30,
+                   "the third waiter waits behind the first")
+        assert _queued(raw, "middle") == pids, "the dead waiter's row went early"
+        _served_in_turn(holder, [workers[0], workers[2], workers[3]])
+        wait_until(lambda: _queued(raw, "middle") == [], 30, "the queue emptied")
+    finally:
+        raw.close()
+    for worker in (workers[0], workers[2], workers[3]):
+        assert worker.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_timeout_that_ends_behind_another_waiter_is_kept_and_leaves_nothing(children):
+    """The second of three queued waiters has a 2 s timeout: it returns None after 2 s
+    (not after the lock_timeout of its session, 30 s, nor never), leaves no row and no
+    advisory lock, finds its session's timeouts as they were (distlock sets lock_timeout
+    and client_connection_check_interval while it waits), and the third now waits behind
+    the first; then all goes on in order."""
+    holder = acquire("patience", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "patience", 3, 1, {1: 2.0}, "30s", POLL_OFF)
+        pids = _queued(raw, "patience")
+        gave_up = workers[1].expect("timeout", timeout=60)
+        assert 2.0 <= gave_up["waited"] < 3.0, f"gave up after {gave_up['waited']:.3f} s"
+        assert gave_up["lock_timeout"] == "30s"
+        assert gave_up["statement_timeout"] == "0"
+        assert gave_up["client_connection_check_interval"] in ("0", None)
+        assert _holds_nothing(raw, pids[1])
+        assert _chained(raw, "patience", [pids[0], pids[2]])
+        assert _queued(raw, "patience") == [pids[0], pids[2]]
+        _served_in_turn(holder, [workers[0], workers[2]])
+    finally:
+        raw.close()
+    for worker in workers:
+        assert worker.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_ctrl_c_behind_another_waiter_leaves_the_queue_clean(children):
+    """SIGINT (KeyboardInterrupt) to a waiter blocked behind another: psycopg cancels its
+    wait on the server, the acquire raises it, and on the way out the waiter leaves the
+    queue: no row, no advisory lock, its lock_timeout as it was, and the one behind it
+    moves up."""
+    holder = acquire("interrupted", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "interrupted", 3, 1, lock_timeout="30s", poll=POLL_OFF)
+        pids = _queued(raw, "interrupted")
+        workers[1].signal(signal.SIGINT)
+        stopped = workers[1].expect("interrupted", timeout=60)
+        assert stopped["lock_timeout"] == "30s"
+        assert stopped["client_connection_check_interval"] in ("0", None)
+        assert _holds_nothing(raw, pids[1])
+        wait_until(lambda: _chained(raw, "interrupted", [pids[0], pids[2]]), 30,
+                   "the third waiter waits behind the first")
+        _served_in_turn(holder, [workers[0], workers[2]])
+    finally:
+        raw.close()
+    for worker in workers:
+        assert worker.finish() == 0

@@ -378,13 +378,21 @@ class Backend(TokenFloorSQL):
         )
         return int(cursor.rowcount)
 
-    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool, int]:
+    def enqueue(
+        self, cursor: Any, name: str, first: bool, previous: int
+    ) -> tuple[int, bool, int, bool]:
         """Queue for a hand-off of ``name`` (where supports_wakeups()); ``first``: the
-        first time in this wait. Returns the queue entry's id, whether the lock looked
-        free (a release before the entry could be seen: try at once) and how many
-        waiters are ahead."""
+        first time in this wait; ``previous``: the entry this one replaces (0: none).
+        Returns the queue entry's id, whether the lock looked free (a release before the
+        entry could be seen: try at once), how many waiters are ahead, and whether this
+        one is the head of the queue (the only one listening)."""
         raise NotImplementedError
 
-    def unqueue(self, cursor: Any, name: str) -> None:
-        """Undo :meth:`queue` (every entry of this session for ``name``)."""
+    def follow(self, cursor: Any, name: str, queued: int, wait_ms: int) -> tuple[str, bool]:
+        """Wait up to ``wait_ms`` behind the waiter ahead of entry ``queued`` (see
+        PostgreSQL's): what happened, and whether the lock is worth a try at once."""
+        raise NotImplementedError
+
+    def leave(self, cursor: Any, name: str, queued: int) -> None:
+        """Undo :meth:`enqueue` (every entry of this session for ``name``)."""
         raise NotImplementedError

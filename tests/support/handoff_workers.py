@@ -3,16 +3,25 @@ as ``tests.support.handoff_workers:ROLE``."""
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from typing import Any
 
 from tests.support.worker import command, emit, lease_data
 
 _notified = 0
+# What ended each wait of this process's queued waiters: "moved" (the waiter ahead left:
+# a wake-up by PostgreSQL's lock manager), "waited" and "timed out" (its poll's timer: no
+# wake-up came), and the other outcomes of distlock_follow.
+_waits: Counter[str] = Counter()
 
 
-def _count_notifications() -> None:
-    """Count every notification this process's psycopg connections hand out: the wake-ups."""
+def _count_wakeups() -> None:
+    """Count every notification this process's psycopg connections hand out, and what
+    ended each wait in the queue (the real methods run; this only counts)."""
     import psycopg
+
+    from distlock.backends.postgresql import PostgreSQL
 
     original = psycopg.Connection.notifies
 
@@ -23,24 +32,71 @@ def _count_notifications() -> None:
             yield notify
 
     psycopg.Connection.notifies = counting  # type: ignore[method-assign]
+    follow, handoff = PostgreSQL.follow, PostgreSQL.wait_for_handoff
+
+    def following(self: Any, *args: Any) -> tuple[str, bool]:
+        status, free = follow(self, *args)
+        _waits[status] += 1
+        return status, free
+
+    def handed(self: Any, *args: Any) -> bool:
+        came = handoff(self, *args)
+        _waits["notified" if came else "timed out"] += 1
+        return came
+
+    PostgreSQL.follow = following  # type: ignore[method-assign]
+    PostgreSQL.wait_for_handoff = handed  # type: ignore[method-assign]
 
 
-def in_line(name: str, grants: int, timeout: float) -> None:
+def _settings(connection: Any) -> dict[str, str]:
+    """The session's timeouts, which waiting in the queue must leave as they were."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('lock_timeout'), "
+                       "current_setting('statement_timeout'), "
+                       "current_setting('client_connection_check_interval', true)")
+        lock_timeout, statement_timeout, check = cursor.fetchone()
+    return {"lock_timeout": lock_timeout, "statement_timeout": statement_timeout,
+            "client_connection_check_interval": check}
+
+
+def in_line(name: str, grants: int, timeout: float, lock_timeout: str = "",
+            poll: float | None = None) -> None:
     """After "go": ``grants`` times a blocking acquire of ``name``, released at once;
-    "acquired" per grant; "done" with the notifications received."""
+    "acquired" per grant; "done" with the notifications received and what ended the
+    waits. An acquire that times out ("timeout", with the seconds it took and the
+    session's timeouts) or is interrupted by SIGINT ("interrupted") ends the loop; the
+    worker then keeps its session until stdin closes, for the test to look at it.
+    ``lock_timeout``: the session's own, set first; ``poll``: DISTLOCK_POLL_MAX_INTERVAL
+    (a long one shows that nothing was left to the poll)."""
     from django.db import connection
+    from django.test.utils import override_settings
 
     from distlock import acquire
 
-    _count_notifications()
+    _count_wakeups()
     connection.ensure_connection()
+    if lock_timeout:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, false)", [lock_timeout])
     emit("ready", backend_pid=connection.connection.info.backend_pid)
     command()
+    with override_settings(**({} if poll is None else {"DISTLOCK_POLL_MAX_INTERVAL": poll})):
+        _take_turns(connection, acquire, name, grants, timeout)
+
+
+def _take_turns(connection: Any, acquire: Any, name: str, grants: int, timeout: float) -> None:
     for _ in range(grants):
-        lease = acquire(name, ttl=60, timeout=timeout)
+        began = time.monotonic()
+        try:
+            lease = acquire(name, ttl=60, timeout=timeout)
+        except KeyboardInterrupt:
+            emit("interrupted", waited=time.monotonic() - began, **_settings(connection))
+            command()
+            return
         if lease is None:
-            emit("timeout")
+            emit("timeout", waited=time.monotonic() - began, **_settings(connection))
+            command()
             return
         emit("acquired", **lease_data(lease))
         lease.release()
-    emit("done", notified=_notified)
+    emit("done", notified=_notified, waits=dict(_waits))
