@@ -54,18 +54,18 @@ def _count_notifications() -> None:
             yield notify
 
     psycopg.Connection.notifies = counting  # type: ignore[method-assign]
-    # A waiter woken because the one ahead of it left the queue (distlock_follow said
+    # A waiter woken because the one ahead of it left the queue (distlock_follow's
     # "moved"): a wake-up too, by PostgreSQL's lock manager rather than a notification.
     from distlock.backends.postgresql import PostgreSQL
 
     follow = getattr(PostgreSQL, "follow", None)
     if follow is not None:
 
-        def following(self: Any, *args: Any) -> tuple[str, bool]:
+        def following(self: Any, *args: Any) -> tuple[str, bool, int]:
             global _notified
-            status, free = follow(self, *args)
-            _notified += status == "moved"
-            return status, free
+            status, free, moved = follow(self, *args)
+            _notified += moved
+            return status, free, moved
 
         PostgreSQL.follow = following  # type: ignore[attr-defined]
 

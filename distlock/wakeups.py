@@ -2,16 +2,25 @@
 
 A blocking ``acquire()`` that is refused waits before its next try. On PostgreSQL (with
 psycopg 3 and ``DISTLOCK_WAKEUPS`` on) it first joins the name's queue of waiters on its
-own connection to the lock's database (``distlock_queue``, migration 0007: a row in
-``distlock_waiter``, LISTEN on the session's own channel, advisory locks that say someone
-is queued and that this session is alive), tries once more at once (the lock may have
-been freed before it queued), and then waits for its hand-off *or* the usual back-off
-pause, whichever comes first. A release or break with waiters reserves the freed lock for
-the oldest live waiter for a short grant window and notifies only that one; everyone
-else's tries are refused until it takes the grant or the window ends. So one waiter is
-woken per release, served in the order they queued, and the releasing process cannot
-win it back; the polling stays as the fallback: for expiry (nobody notifies when a
-holder dies) and for anything that went wrong with a notification.
+own connection to the lock's database (``distlock_enqueue``, migrations 0007 and 0011: a
+row in ``distlock_waiter``, an advisory lock on the row's entry held until it leaves,
+advisory locks that say someone is queued and that this session is alive), tries once
+more at once if the lock looked free (it may have been freed before it queued), and then
+waits for its hand-off *or* the usual back-off pause, whichever comes first. A release or
+break with waiters reserves the freed lock for the oldest live waiter for a short grant
+window and notifies only that one; everyone else's tries are refused until it takes the
+grant or the window ends. So one waiter is woken per release, served in the order they
+queued, and the releasing process cannot win it back; the polling stays as the fallback:
+for expiry (nobody notifies when a holder dies) and for anything that went wrong with a
+notification.
+
+Only the head of the queue (nobody live ahead of it) LISTENs. Each of the others waits
+on the entry lock of the waiter just ahead (``distlock_follow``), which PostgreSQL's lock
+manager grants, waking that one session, when the waiter ahead leaves the queue (granted,
+gave up, or its session ended); it then looks again, and becomes the head or waits behind
+the next one. PostgreSQL signals every listening backend of the database on each NOTIFY,
+so with every waiter listening a hand-off to one of 64 cost the CPU of 64 (0011's
+docstring, docs/performance.md "Only the head listens").
 
 Elsewhere (MariaDB, SQLite, psycopg 2, wake-ups off) waiting is a plain sleep.
 
@@ -129,12 +138,13 @@ class Waiter:
         """Wait up to ``seconds`` for the waiter ahead to leave the queue (it blocks on
         that waiter's entry lock, so a queue of any length has one session listening).
         True: go and try now (the time is up, or this waiter became the head and the lock
-        looks free or was handed to it); False: look again, the one ahead left."""
+        looks free or was handed to it); False: look again, the one ahead left (above
+        READ COMMITTED; in it, distlock_follow looks again itself)."""
         if seconds <= 0:
             return True
         wait_ms = min(max(math.ceil(seconds * 1000), 1), _MAX_WAIT_MS)
         try:
-            status, free = db.run(self.alias, "follow", self.name, self.entry, wait_ms)
+            status, free, _ = db.run(self.alias, "follow", self.name, self.entry, wait_ms)
         except DatabaseError as exc:
             # The caller's own statement_timeout ended the wait first: as if it ran out.
             if not self.backend.lock_wait_cut_short(exc):

@@ -388,9 +388,12 @@ class Backend(TokenFloorSQL):
         one is the head of the queue (the only one listening)."""
         raise NotImplementedError
 
-    def follow(self, cursor: Any, name: str, queued: int, wait_ms: int) -> tuple[str, bool]:
+    def follow(
+        self, cursor: Any, name: str, queued: int, wait_ms: int
+    ) -> tuple[str, bool, int]:
         """Wait up to ``wait_ms`` behind the waiter ahead of entry ``queued`` (see
-        PostgreSQL's): what happened, and whether the lock is worth a try at once."""
+        PostgreSQL's): what happened, whether the lock is worth a try at once, and how
+        many waiters ahead left meanwhile."""
         raise NotImplementedError
 
     def leave(self, cursor: Any, name: str, queued: int) -> None:

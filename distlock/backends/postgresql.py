@@ -205,17 +205,21 @@ class PostgreSQL(Backend):
         queued, free, ahead, head = cursor.fetchone()
         return int(queued), bool(free), int(ahead), bool(head)
 
-    def follow(self, cursor: Any, name: str, queued: int, wait_ms: int) -> tuple[str, bool]:
-        """Wait up to ``wait_ms`` for the live entry ahead of ``queued`` to leave
-        (``distlock_follow``): "moved" (it left: look again), "waited" (the time ran out),
-        or, with nobody live ahead, "head" (listening now) or "handed" (its row was taken
-        by a hand-off), with whether the lock is worth a try at once."""
+    def follow(
+        self, cursor: Any, name: str, queued: int, wait_ms: int
+    ) -> tuple[str, bool, int]:
+        """Wait up to ``wait_ms`` behind the live entry ahead of ``queued``, and behind
+        the next one when it leaves (``distlock_follow``): "waited" (the time ran out),
+        "moved" (one ahead left, and the session's isolation is above READ COMMITTED:
+        look again), or, with nobody live ahead, "head" (listening now) or "handed" (its
+        row was taken by a hand-off); whether the lock is worth a try at once; and how
+        many waiters ahead left while it waited (its wake-ups)."""
         cursor.execute(
-            "SELECT status, free FROM distlock_follow(%s, %s::bigint, %s::integer)",
+            "SELECT status, free, moved FROM distlock_follow(%s, %s::bigint, %s::integer)",
             [name, queued, wait_ms],
         )
-        status, free = cursor.fetchone()
-        return str(status), bool(free)
+        status, free, moved = cursor.fetchone()
+        return str(status), bool(free), int(moved)
 
     def leave(self, cursor: Any, name: str, queued: int) -> None:
         """Leave the queue and free the entry's lock, which wakes the one waiting behind

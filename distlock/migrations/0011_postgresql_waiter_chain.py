@@ -118,18 +118,29 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION distlock_follow(
-    p_name text, p_queued bigint, p_wait_ms integer, OUT status text, OUT free boolean
+    p_name text, p_queued bigint, p_wait_ms integer,
+    OUT status text, OUT free boolean, OUT moved integer
 ) LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    before bigint := distlock_ahead(p_name, p_queued);
+    before bigint;
+    until_us bigint := {NOW_US} + p_wait_ms::bigint * 1000;
+    left_ms bigint;
     r distlock_lock%ROWTYPE;
     now_us bigint;
 BEGIN
     free := false;
-    IF before IS NOT NULL THEN
+    moved := 0;
+    LOOP
+        before := distlock_ahead(p_name, p_queued);
+        EXIT WHEN before IS NULL;
+        left_ms := ceil((until_us - {NOW_US}) / 1000.0);
+        IF left_ms <= 0 THEN
+            status := 'waited';
+            RETURN;
+        END IF;
         -- For this transaction only (is_local): the session's own setting is back when
         -- the statement ends, whether it succeeded or not.
-        PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+        PERFORM set_config('lock_timeout', left_ms || 'ms', true);
         BEGIN
             PERFORM pg_advisory_lock_shared({entry('before')});
         EXCEPTION WHEN lock_not_available THEN
@@ -137,10 +148,15 @@ BEGIN
             RETURN;
         END;
         PERFORM pg_advisory_unlock_shared({entry('before')});
-        -- The caller looks again in a new statement: a fresh snapshot at any isolation.
-        status := 'moved';
-        RETURN;
-    END IF;
+        moved := moved + 1;
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            -- This transaction's snapshot predates the departure (and a FOR SHARE read
+            -- of a row changed since would fail): the caller looks again in a new one.
+            status := 'moved';
+            RETURN;
+        END IF;
+        -- READ COMMITTED: each statement below reads what is committed now.
+    END LOOP;
     EXECUTE format('LISTEN %I', 'distlock_w' || pg_backend_pid());
     {FREE}
     -- Its row gone: a release handed it the lock (the notification went unheard).

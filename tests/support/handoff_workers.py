@@ -10,9 +10,9 @@ from typing import Any
 from tests.support.worker import command, emit, lease_data
 
 _notified = 0
-# What ended each wait of this process's queued waiters: "moved" (the waiter ahead left:
-# a wake-up by PostgreSQL's lock manager), "waited" and "timed out" (its poll's timer: no
-# wake-up came), and the other outcomes of distlock_follow.
+# What ended each wait of this process's queued waiters: "waited" and "timed out" (its
+# poll's timer: no wake-up came), "notified", and the other outcomes of distlock_follow;
+# "moved up": how often a waiter ahead left, each a wake-up by PostgreSQL's lock manager.
 _waits: Counter[str] = Counter()
 
 
@@ -34,10 +34,11 @@ def _count_wakeups() -> None:
     psycopg.Connection.notifies = counting  # type: ignore[method-assign]
     follow, handoff = PostgreSQL.follow, PostgreSQL.wait_for_handoff
 
-    def following(self: Any, *args: Any) -> tuple[str, bool]:
-        status, free = follow(self, *args)
+    def following(self: Any, *args: Any) -> tuple[str, bool, int]:
+        status, free, moved = follow(self, *args)
         _waits[status] += 1
-        return status, free
+        _waits["moved up"] += moved
+        return status, free, moved
 
     def handed(self: Any, *args: Any) -> bool:
         came = handoff(self, *args)
