@@ -381,19 +381,17 @@ class Backend(TokenFloorSQL):
     def enqueue(
         self, cursor: Any, name: str, first: bool, previous: int
     ) -> tuple[int, bool, int, bool]:
-        """Queue for a hand-off of ``name`` (where supports_wakeups()); ``first``: the
-        first time in this wait; ``previous``: the entry this one replaces (0: none).
-        Returns the queue entry's id, whether the lock looked free (a release before the
-        entry could be seen: try at once), how many waiters are ahead, and whether this
-        one is the head of the queue (the only one listening)."""
+        """Queue for a hand-off of ``name`` (where supports_wakeups()), the ``first``
+        time in this wait or again (``previous``: the entry replaced): the entry's id,
+        whether the lock looked free (try at once), how many are ahead, and whether this
+        is the head of the queue (the only one listening)."""
         raise NotImplementedError
 
     def follow(
         self, cursor: Any, name: str, queued: int, wait_ms: int
     ) -> tuple[str, bool, int]:
-        """Wait up to ``wait_ms`` behind the waiter ahead of entry ``queued`` (see
-        PostgreSQL's): what happened, whether the lock is worth a try at once, and how
-        many waiters ahead left meanwhile."""
+        """Wait up to ``wait_ms`` behind the waiter ahead of entry ``queued``: what
+        happened, whether to try at once, how many ahead left (see PostgreSQL's)."""
         raise NotImplementedError
 
     def leave(self, cursor: Any, name: str, queued: int) -> None:
