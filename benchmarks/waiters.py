@@ -9,8 +9,9 @@ back, the reference's spinning; distlock: a blocking ``acquire(timeout=…)``), 
 ``--hold`` seconds, release. Per scenario it reports grants/s, wait-to-grant p50/p99 (the
 call, or A's first refused try, to the grant), the longest wait, how many grants one other
 worker got at most while a worker waited ("overtaken": 1 is first come, first served),
-Jain's index of the grants per worker, notifications received per release (every
-``psycopg.Connection.notifies()`` item counted in each worker), and the server's CPU per
+Jain's index of the grants per worker, wake-ups per release (every
+``psycopg.Connection.notifies()`` item counted in each worker, and every waiter woken
+because the one ahead of it left the queue), and the server's CPU per
 grant (each worker's backend, from ``/proc/<pid>/stat``: run it on the database's own
 machine). Its own database (``distlock_bench`` + ``--db-suffix``, default
 ``_waiters``): a run against an older distlock (``PYTHONPATH=<other tree>``) needs a
@@ -91,7 +92,7 @@ def _worker(kind: str, index: int, hold: float, seconds: float, warmup: float,
         grants: list[tuple[float, float, float]] = []
         backend, cpu = cpu_seconds(pid), time.process_time()
         loop(time.perf_counter() + seconds, grants)
-        queue.put((index, grants, notifications.received(), cpu_seconds(pid) - backend,
+        queue.put((index, grants, notifications.wakeups(), cpu_seconds(pid) - backend,
                    time.process_time() - cpu))
     except BaseException as exc:  # noqa: BLE001 - the parent fails the run
         barrier.abort()

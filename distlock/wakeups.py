@@ -2,16 +2,25 @@
 
 A blocking ``acquire()`` that is refused waits before its next try. On PostgreSQL (with
 psycopg 3 and ``DISTLOCK_WAKEUPS`` on) it first joins the name's queue of waiters on its
-own connection to the lock's database (``distlock_queue``, migration 0007: a row in
-``distlock_waiter``, LISTEN on the session's own channel, advisory locks that say someone
-is queued and that this session is alive), tries once more at once (the lock may have
-been freed before it queued), and then waits for its hand-off *or* the usual back-off
-pause, whichever comes first. A release or break with waiters reserves the freed lock for
-the oldest live waiter for a short grant window and notifies only that one; everyone
-else's tries are refused until it takes the grant or the window ends. So one waiter is
-woken per release, served in the order they queued, and the releasing process cannot
-win it back; the polling stays as the fallback: for expiry (nobody notifies when a
-holder dies) and for anything that went wrong with a notification.
+own connection to the lock's database (``distlock_enqueue``, migrations 0007 and 0009: a
+row in ``distlock_waiter``, an advisory lock on the row's entry held until it leaves,
+advisory locks that say someone is queued and that this session is alive), tries once
+more at once if the lock looked free (it may have been freed before it queued), and then
+waits for its hand-off *or* the usual back-off pause, whichever comes first. A release or
+break with waiters reserves the freed lock for the oldest live waiter for a short grant
+window and notifies only that one; everyone else's tries are refused until it takes the
+grant or the window ends. So one waiter is woken per release, served in the order they
+queued, and the releasing process cannot win it back; the polling stays as the fallback:
+for expiry (nobody notifies when a holder dies) and for anything that went wrong with a
+notification.
+
+Only the head of the queue (nobody live ahead of it) LISTENs. Each of the others waits
+on the entry lock of the waiter just ahead (``distlock_follow``), which PostgreSQL's lock
+manager grants, waking that one session, when the waiter ahead leaves the queue (granted,
+gave up, or its session ended); it then looks again, and becomes the head or waits behind
+the next one. PostgreSQL signals every listening backend of the database on each NOTIFY,
+so with every waiter listening a hand-off to one of 64 cost the CPU of 64 (0009's
+docstring, docs/performance.md "Only the head listens").
 
 Elsewhere (MariaDB, SQLite, psycopg 2, wake-ups off) waiting is a plain sleep.
 
@@ -27,6 +36,7 @@ process's threads.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import threading
@@ -55,6 +65,10 @@ class Waiter:
         self.backend = backend_for(self.connection)
         # The queue entry a hand-off names; "" once the hand-off came (the entry is gone).
         self.queued = ""
+        # The entry whose advisory lock this session holds until it leaves (0: none).
+        self.entry = 0
+        # Nobody live ahead: this waiter LISTENs (the others wait behind the one ahead).
+        self.head = False
         # Did the lock look free once queued (freed before the entry could be seen)?
         self.free = False
         # Waiters queued ahead of this one when it queued (see queued_pause()).
@@ -64,19 +78,24 @@ class Waiter:
             self.raw = self.connection.connection
 
     def _queue(self, first: bool) -> bool:
-        queued, free, self.ahead = db.run(self.alias, "queue", self.name, first)
-        self.queued = str(queued)
+        entry, free, self.ahead, self.head = db.run(
+            self.alias, "enqueue", self.name, first, self.entry
+        )
+        self.entry = int(entry)
+        self.queued = str(entry)
         return bool(free)
 
     def queued_pause(self, busy: Busy, left: float | None) -> float:
-        """How long a queued (listening) waiter waits before its next try after ``busy``.
+        """How long a queued waiter waits before its next try after ``busy``.
 
-        A release hands the lock over and says so: the poll is left only for what nobody
-        announces — the holder's expiry (it still wakes just after it) and a hand-off
-        whose waiter never came (its window ends unannounced). The first in the queue
-        polls at DISTLOCK_POLL_MAX_INTERVAL, one behind n others at n + 1 times that (n
-        halved with each poll, as the queue moves on), so 64 waiters do not poll 64
-        times as often as one.
+        A release hands the lock over and says so, and a waiter leaving the queue wakes
+        the one behind it: the poll is left only for what nobody announces — the
+        holder's expiry (it still wakes just after it), a hand-off whose waiter never
+        came (its window ends unannounced) and a waiter ahead that stopped (SIGSTOP)
+        while it held its place. The first in the queue polls at
+        DISTLOCK_POLL_MAX_INTERVAL, one behind n others at n + 1 times that (n halved
+        with each poll, as the queue moves on), so 64 waiters do not poll 64 times as
+        often as one.
         """
         stretch = 1 + self.ahead
         self.ahead //= 2
@@ -89,11 +108,13 @@ class Waiter:
 
     @property
     def listening(self) -> bool:
-        """True while a notification can wake this waiter (a reconnect drops the LISTEN)."""
+        """True while this waiter is queued on its session (a reconnect drops the LISTEN,
+        the advisory locks and with them its place in the queue)."""
         return self.raw is not None and self.raw is self.connection.connection
 
     def wait(self, seconds: float) -> None:
-        """Sleep up to ``seconds``; return early when the lock's release is announced."""
+        """Sleep up to ``seconds``; return early when the lock is handed over, or worth a
+        try."""
         if not self.listening:
             if self.freed is None:
                 time.sleep(seconds)
@@ -105,18 +126,54 @@ class Waiter:
             # Handed the lock and still refused (the window ran out before the try): to
             # the back of the queue again, or at once to a try if it is free by now.
             return
-        if self.backend.wait_for_handoff(self.connection, seconds, self.queued):
+        deadline = time.monotonic() + seconds
+        while not self.head:
+            if self._follow(deadline - time.monotonic()):
+                return
+        left = deadline - time.monotonic()
+        if left > 0 and self.backend.wait_for_handoff(self.connection, left, self.queued):
             self.queued = ""
 
+    def _follow(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the waiter ahead to leave the queue (it blocks on
+        that waiter's entry lock, so a queue of any length has one session listening).
+        True: go and try now (the time is up, or this waiter became the head and the lock
+        looks free or was handed to it); False: look again, the one ahead left (above
+        READ COMMITTED; in it, distlock_follow looks again itself)."""
+        if seconds <= 0:
+            return True
+        wait_ms = min(max(math.ceil(seconds * 1000), 1), _MAX_WAIT_MS)
+        try:
+            status, free, _ = db.run(self.alias, "follow", self.name, self.entry, wait_ms)
+        except DatabaseError as exc:
+            # The caller's own statement_timeout ended the wait first: as if it ran out.
+            if not self.backend.lock_wait_cut_short(exc):
+                raise
+            return True
+        if status == "moved":
+            return False
+        if status == "waited":
+            return True
+        self.head = True
+        if status == "handed":
+            # Handed the lock while it waited behind another: its entry is gone.
+            self.queued = ""
+            return True
+        return bool(free)
+
     def stop(self) -> None:
-        """Stop listening (the acquire got the lock, gave up or failed)."""
+        """Leave the queue (the acquire got the lock, gave up or failed)."""
         if self.listening:
             # A connection that broke meanwhile dropped the LISTEN, the advisory locks and
             # (with its session's "alive" lock) its place in the queue; the next operation
             # replaces it.
             with contextlib.suppress(DatabaseError):
-                db.run(self.alias, "unqueue", self.name)
+                db.run(self.alias, "leave", self.name, self.entry)
         self.raw = None
+
+
+# lock_timeout's largest value (milliseconds, a 32-bit integer).
+_MAX_WAIT_MS = 2**31 - 1
 
 
 class _Queue:

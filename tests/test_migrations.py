@@ -6,8 +6,9 @@ database those migrated counts as migrated without running anything. 0003_token_
 makes the token floor, started at the table's largest token, and redefines
 distlock_acquire on PostgreSQL to start new rows above it. 0005 indexes the owned lock
 rows, each vendor in its own form. 0006 makes the stored procedures of the lock
-operations on MariaDB/MySQL (nothing elsewhere). 0007 makes PostgreSQL's waiter queue and
-hand-off (nothing elsewhere).
+operations on MariaDB/MySQL (nothing elsewhere). 0007 makes PostgreSQL's waiter queue
+and hand-off, 0008 indexes the rare audit event kinds, 0009 makes the chain PostgreSQL's
+waiters wait in (nothing elsewhere).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
-# Each server-side function of 0002 (and 0007) and its argument types, as pg_proc lists them.
+# Each server-side function of 0002 (and 0007, 0009) and its argument types, as pg_proc
+# lists them.
 POSTGRESQL_FUNCTIONS = {
     "distlock_acquire": "text, text, text, bigint, bigint",
+    "distlock_ahead": "text, bigint",
     "distlock_channel": "text",
+    "distlock_enqueue": "text, boolean, bigint",
+    "distlock_follow": "text, bigint, integer",
     "distlock_holds": "text, text, bigint",
+    "distlock_leave": "text, bigint",
     "distlock_listen": "text",
     "distlock_queue": "text, boolean",
     "distlock_release": "text, text, bigint, boolean",
@@ -45,6 +51,9 @@ POSTGRESQL_FUNCTIONS = {
     "distlock_unqueue": "text",
     "distlock_wake": "text",
 }
+# The waiter queue's (0007 and 0009): gone when migrated back to 0002.
+QUEUE_FUNCTIONS = {"distlock_ahead", "distlock_enqueue", "distlock_follow", "distlock_leave",
+                   "distlock_queue", "distlock_unqueue"}
 PRE_RELEASE = [
     "0003_postgresql_functions",
     "0004_lockevent",
@@ -54,7 +63,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0008_lockevent_rare_index")
+LATEST = ("distlock", "0009_postgresql_waiter_chain")
 
 
 def tables() -> set[str]:
@@ -98,8 +107,8 @@ def test_migrations_run_back_to_zero_and_forwards_again(migrated_back: None) -> 
     call_command("migrate", "distlock", "0002", verbosity=0)
     assert tables() == {LOCK_TABLE, EVENT_TABLE}
     assert functions() == {
-        name: args for name, args in expected.items() if "queue" not in name
-    }, "0007's queue functions outlived its reversal"
+        name: args for name, args in expected.items() if name not in QUEUE_FUNCTIONS
+    }, "0007's or 0009's queue functions outlived their reversal"
     call_command("migrate", "distlock", "0001", verbosity=0)
     assert tables() == {LOCK_TABLE, EVENT_TABLE}
     assert functions() == {}

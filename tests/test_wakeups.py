@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections import Counter
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -30,6 +32,7 @@ pytestmark = [
 POLL = 6.0  # the waiter's pause: 3-6 s with jitter
 WAKEUP_CLASS = 1684825963
 QUEUE_CLASS = 1684825969  # distlock_queue's "someone is queued" (migration 0007)
+ENTRY_CLASS = 1684825957  # a queue entry's lock, held by its waiter (migration 0009)
 
 
 def _raw():
@@ -135,13 +138,44 @@ def _queued(raw, name: str) -> list[int]:
     )]
 
 
-def _line_up(children, raw, name: str, count: int, grants: int) -> list:
-    """``count`` in_line workers, queued for ``name`` one after another (in that order)."""
-    workers = [children.start(IN_LINE, name, grants, 120.0) for _ in range(count)]
+def _entries(raw, name: str) -> list[tuple[int, int]]:
+    """(entry id, backend pid) of ``name``'s queue, oldest first."""
+    return [(int(queued), int(pid)) for queued, pid in raw.execute(
+        "SELECT id, pid FROM distlock_waiter WHERE name = %s ORDER BY id", [name]
+    )]
+
+
+def _behind(raw) -> dict[int, int]:
+    """Waiting backend pid -> the entry id whose lock it waits for (not yet granted)."""
+    return {int(pid): int(objid) for pid, objid in raw.execute(
+        "SELECT pid, objid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+        "AND objsubid = 2 AND mode = 'ShareLock' AND NOT granted", [ENTRY_CLASS]
+    )}
+
+
+def _chained(raw, name: str, pids: list[int]) -> bool:
+    """Are ``pids`` (live waiters, in queue order) a chain: the first waits for no entry,
+    each other one for the entry of the one just ahead of it?"""
+    entry = {pid: queued for queued, pid in _entries(raw, name)}
+    behind = _behind(raw)
+    return pids[0] not in behind and all(
+        behind.get(pid) == entry.get(ahead) for ahead, pid in pairwise(pids))
+
+
+def _line_up(children, raw, name: str, count: int, grants: int,
+             timeouts: dict[int, float] | None = None, lock_timeout: str = "",
+             poll: float | None = None) -> list:
+    """``count`` in_line workers, queued for ``name`` one after another (in that order),
+    each but the first waiting behind the one ahead of it; worker n's timeout is
+    ``timeouts[n]`` (default 120 s), and each session's own lock_timeout
+    ``lock_timeout`` (default: the server's) and DISTLOCK_POLL_MAX_INTERVAL ``poll``."""
+    workers = [children.start(IN_LINE, name, grants, (timeouts or {}).get(n, 120.0),
+                              lock_timeout, poll) for n in range(count)]
     pids = [worker.expect("ready", timeout=60)["backend_pid"] for worker in workers]
     for number, worker in enumerate(workers):
         worker.send("go")
-        wait_until(lambda n=number: _queued(raw, name) == pids[: n + 1], 30,
+        wait_until(lambda n=number: _queued(raw, name) == pids[: n + 1]
+                   and _chained(raw, name, pids[: n + 1]), 30,
                    f"waiter {number} queued behind the others")
     return workers
 
@@ -159,18 +193,25 @@ def test_each_release_wakes_one_waiter_and_they_are_served_in_turn(children):
         assert holder.release() is True
         got = [(event["token"], number) for number, worker in enumerate(workers)
                for event in (worker.expect("acquired", timeout=60) for _ in range(grants))]
-        notified = [worker.expect("done", timeout=60)["notified"] for worker in workers]
+        done = [worker.expect("done", timeout=60) for worker in workers]
         wait_until(lambda: _queued(raw, "line") == [], 30, "the queue emptied")
     finally:
         raw.close()
     got.sort()
     assert [token for token, _ in got] == list(range(holder.token + 1,
                                                      holder.token + 1 + count * grants))
-    # Woken once per hand-off: at most one notification per release (the holder's and
-    # the workers' own), and most grants came by one (not by the 0.5-1 s poll).
+    # Woken once or twice per hand-off: at most one notification per release (the
+    # holder's and the workers' own) and one waiter moving up the chain, and the grants
+    # came by them, not by the waiters' polls (a wait that ran out: 0.5 s or more).
+    notified = [event["notified"] for event in done]
+    waits: Counter[str] = Counter()
+    for event in done:
+        waits.update(event["waits"])
     releases = 1 + count * grants
-    assert sum(notified) <= releases, f"{notified}: more wake-ups than releases"
-    assert sum(notified) >= count * grants // 2, f"{notified}: the grants came by polling"
+    assert sum(notified) <= releases, f"{notified}: more notifications than releases"
+    assert sum(notified) + waits["moved up"] <= 2 * releases, f"{waits}: more than 2 per release"
+    polls = waits["waited"] + waits["timed out"]
+    assert polls <= count * grants // 2, f"{waits}: the grants came by polling"
     # First come, first served (a window that ran out under load may let one poller
     # ahead): while one waits, nobody else is served more than twice.
     order = [number for _, number in got]
@@ -221,25 +262,135 @@ def test_a_paused_waiter_holds_the_handed_lock_only_for_the_window(children):
     assert waiter.finish() == 0
 
 
+# The waiters' DISTLOCK_POLL_MAX_INTERVAL: their first poll comes 30 s or more after they
+# queue, so every grant in these tests is a wake-up.
+POLL_OFF = 60.0
+
+
+def _served_in_turn(holder, workers) -> None:
+    """The holder's release hands the lock down ``workers`` in order, by hand-offs (the
+    waiters' polls are POLL_OFF: no wait of theirs ran out)."""
+    assert holder.release() is True
+    for offset, worker in enumerate(workers, start=1):
+        assert worker.expect("acquired", timeout=60)["token"] == holder.token + offset
+    for worker in workers:
+        done = worker.expect("done", timeout=60)
+        waits = done["waits"]
+        assert waits.get("waited", 0) + waits.get("timed out", 0) == 0, (
+            f"{waits}: a waiter was served by its poll, not woken")
+        assert done["notified"] <= 1, f"{done}: notified more than once for one grant"
+
+
 @pytest.mark.processes
 @pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
 def test_a_killed_waiter_is_skipped_and_the_next_one_is_handed_the_lock(children):
     holder = acquire("killed", ttl=60)
     raw = _raw()
     try:
-        first, second = _line_up(children, raw, "killed", 2, 1)
+        first, second = _line_up(children, raw, "killed", 2, 1, poll=POLL_OFF)
         dead = _queued(raw, "killed")[0]
         first.kill()
         wait_until(lambda: raw.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
                                        [dead]).fetchone()[0] == 0, 30, "the session ended")
-        assert holder.release() is True
-        got = second.expect("acquired", timeout=60)
-        assert got["token"] == holder.token + 1
-        assert second.expect("done", timeout=60)["notified"] == 1
+        # Handed the lock: notified if it was listening by then, else it saw the
+        # reservation when it became the head; never left to its poll.
+        _served_in_turn(holder, [second])
         assert _queued(raw, "killed") == []
     finally:
         raw.close()
     assert second.finish() == 0
+
+
+# -- the chain: only the head listens, the others wait behind the one ahead (0009) --------
+
+def _holds_nothing(raw, pid: int) -> bool:
+    """Backend ``pid`` is in no queue: no advisory lock held or awaited, no queue row."""
+    locks = raw.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                        "AND pid = %s", [pid]).fetchone()[0]
+    rows = raw.execute("SELECT count(*) FROM distlock_waiter WHERE pid = %s",
+                       [pid]).fetchone()[0]
+    return locks == 0 and rows == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_killed_waiter_in_the_middle_of_the_chain_strands_nobody(children):
+    """SIGKILL the second of four queued waiters: the third, which waited behind it, now
+    waits behind the first (the dead one's row is still there, its lock gone), and the
+    lock goes round the three survivors in order, each woken, none by its poll."""
+    holder = acquire("middle", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "middle", 4, 1, poll=POLL_OFF)
+        pids = _queued(raw, "middle")
+        workers[1].kill()
+        wait_until(lambda: raw.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                       [pids[1]]).fetchone()[0] == 0, 30, "the session ended")
+        survivors = [pids[0], pids[2], pids[3]]
+        wait_until(lambda: _chained(raw, "middle", survivors), 30,
+                   "the third waiter waits behind the first")
+        assert _queued(raw, "middle") == pids, "the dead waiter's row went early"
+        _served_in_turn(holder, [workers[0], workers[2], workers[3]])
+        wait_until(lambda: _queued(raw, "middle") == [], 30, "the queue emptied")
+    finally:
+        raw.close()
+    for worker in (workers[0], workers[2], workers[3]):
+        assert worker.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_timeout_that_ends_behind_another_waiter_is_kept_and_leaves_nothing(children):
+    """The second of three queued waiters has a 2 s timeout: it returns None after 2 s
+    (not after the lock_timeout of its session, 30 s, nor never), leaves no row and no
+    advisory lock, finds its session's timeouts as they were (distlock sets lock_timeout
+    and client_connection_check_interval while it waits), and the third now waits behind
+    the first; then all goes on in order."""
+    holder = acquire("patience", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "patience", 3, 1, {1: 2.0}, "30s", POLL_OFF)
+        pids = _queued(raw, "patience")
+        gave_up = workers[1].expect("timeout", timeout=60)
+        assert 2.0 <= gave_up["waited"] < 3.0, f"gave up after {gave_up['waited']:.3f} s"
+        assert gave_up["lock_timeout"] == "30s"
+        assert gave_up["statement_timeout"] == "0"
+        assert gave_up["client_connection_check_interval"] in ("0", None)
+        assert _holds_nothing(raw, pids[1])
+        assert _queued(raw, "patience") == [pids[0], pids[2]]
+        wait_until(lambda: _chained(raw, "patience", [pids[0], pids[2]]), 10,
+                   "the third waiter waits behind the first")
+        _served_in_turn(holder, [workers[0], workers[2]])
+    finally:
+        raw.close()
+    for worker in workers:
+        assert worker.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_ctrl_c_behind_another_waiter_leaves_the_queue_clean(children):
+    """SIGINT (KeyboardInterrupt) to a waiter blocked behind another: psycopg cancels its
+    wait on the server, the acquire raises it, and on the way out the waiter leaves the
+    queue: no row, no advisory lock, its lock_timeout as it was, and the one behind it
+    moves up."""
+    holder = acquire("interrupted", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "interrupted", 3, 1, lock_timeout="30s", poll=POLL_OFF)
+        pids = _queued(raw, "interrupted")
+        workers[1].signal(signal.SIGINT)
+        stopped = workers[1].expect("interrupted", timeout=60)
+        assert stopped["lock_timeout"] == "30s"
+        assert stopped["client_connection_check_interval"] in ("0", None)
+        assert _holds_nothing(raw, pids[1])
+        wait_until(lambda: _chained(raw, "interrupted", [pids[0], pids[2]]), 30,
+                   "the third waiter waits behind the first")
+        _served_in_turn(holder, [workers[0], workers[2]])
+    finally:
+        raw.close()
+    for worker in workers:
+        assert worker.finish() == 0
 
 
 # -- async acquires beside queued sync waiters ----------------------------------------------
@@ -304,7 +455,10 @@ def test_async_tries_never_jump_the_queue_of_sync_waiters(children):
         f"the coroutine got token {async_token}, ahead of a queued waiter ({tokens})")
     assert refused >= 1, "no try of the coroutine fell between the release and its grant"
     for worker in workers:
-        assert worker.expect("done", timeout=60)["notified"] >= 1
+        # Woken at least once: notified as the head, or by the waiter ahead leaving (the
+        # chain's lock-manager wake-up, after which it may find its reservation unnotified).
+        done = worker.expect("done", timeout=60)
+        assert done["notified"] + done["waits"].get("moved up", 0) >= 1, done
         assert worker.finish() == 0
 
 

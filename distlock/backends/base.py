@@ -376,13 +376,22 @@ class Backend(TokenFloorSQL, IndexSQL):
         )
         return int(cursor.rowcount)
 
-    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool, int]:
-        """Queue for a hand-off of ``name`` (where supports_wakeups()); ``first``: the
-        first time in this wait. Returns the queue entry's id, whether the lock looked
-        free (a release before the entry could be seen: try at once) and how many
-        waiters are ahead."""
+    def enqueue(
+        self, cursor: Any, name: str, first: bool, previous: int
+    ) -> tuple[int, bool, int, bool]:
+        """Queue for a hand-off of ``name`` (where supports_wakeups()), the ``first``
+        time in this wait or again (``previous``: the entry replaced): the entry's id,
+        whether the lock looked free (try at once), how many are ahead, and whether this
+        is the head of the queue (the only one listening)."""
         raise NotImplementedError
 
-    def unqueue(self, cursor: Any, name: str) -> None:
-        """Undo :meth:`queue` (every entry of this session for ``name``)."""
+    def follow(
+        self, cursor: Any, name: str, queued: int, wait_ms: int
+    ) -> tuple[str, bool, int]:
+        """Wait up to ``wait_ms`` behind the waiter ahead of entry ``queued``: what
+        happened, whether to try at once, how many ahead left (see PostgreSQL's)."""
+        raise NotImplementedError
+
+    def leave(self, cursor: Any, name: str, queued: int) -> None:
+        """Undo :meth:`enqueue` (every entry of this session for ``name``)."""
         raise NotImplementedError

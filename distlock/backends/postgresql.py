@@ -115,7 +115,7 @@ class PostgreSQL(Backend):
     # FOR SHARE conflicts with the FOR UPDATE of acquire, renew, release and break.
     share_lock = " FOR SHARE"
     one_statement: ClassVar[frozenset[str]] = frozenset(
-        {"acquire_existing", "renew", "release", "holds", "queue", "unqueue"}
+        {"acquire_existing", "renew", "release", "holds", "enqueue", "follow", "leave"}
     )
     # Migration 0002's distlock_holds(): the same locking read as owner_check_sql().
     folded_owner_check_sql = "(SELECT distlock_holds(%s, %s, %s::bigint))"
@@ -169,20 +169,42 @@ class PostgreSQL(Backend):
         cursor.execute(_WAITING, [limit])
         return [(name, int(sessions), who) for name, sessions, who in cursor.fetchall()]
 
-    def queue(self, cursor: Any, name: str, first: bool) -> tuple[int, bool, int]:
-        """Join the queue of ``name``'s waiters (migration 0007's ``distlock_queue``; the
-        first time also LISTEN on this session's channel): the id a hand-off names,
-        whether the lock looked free then (worth a try at once), and how many are ahead."""
+    def enqueue(
+        self, cursor: Any, name: str, first: bool, previous: int
+    ) -> tuple[int, bool, int, bool]:
+        """Join the queue of ``name``'s waiters (migration 0009's ``distlock_enqueue``;
+        the first time also the session's "alive" and "queued" advisory locks; a
+        ``previous`` entry is given up): the entry's id, which a hand-off names, whether
+        the lock looked free (worth a try at once), how many are ahead, and whether this
+        waiter is the head (only the head LISTENs)."""
         cursor.execute(
-            "SELECT queued, free, ahead FROM distlock_queue(%s, %s)", [name, first]
+            "SELECT queued, free, ahead, head FROM distlock_enqueue(%s, %s, %s::bigint)",
+            [name, first, previous],
         )
-        queued, free, ahead = cursor.fetchone()
-        return int(queued), bool(free), int(ahead)
+        queued, free, ahead, head = cursor.fetchone()
+        return int(queued), bool(free), int(ahead), bool(head)
 
-    def unqueue(self, cursor: Any, name: str) -> None:
-        """Leave the queue; a reservation for this session that it did not take is handed
-        on to the next waiter (``distlock_unqueue``)."""
-        cursor.execute("SELECT distlock_unqueue(%s)", [name])
+    def follow(
+        self, cursor: Any, name: str, queued: int, wait_ms: int
+    ) -> tuple[str, bool, int]:
+        """Wait up to ``wait_ms`` behind the live entry ahead of ``queued``, and behind
+        the next one when it leaves (``distlock_follow``): "waited" (the time ran out),
+        "moved" (one ahead left, and the session's isolation is above READ COMMITTED:
+        look again), or, with nobody live ahead, "head" (listening now) or "handed" (its
+        row was taken by a hand-off); whether the lock is worth a try at once; and how
+        many waiters ahead left while it waited (its wake-ups)."""
+        cursor.execute(
+            "SELECT status, free, moved FROM distlock_follow(%s, %s::bigint, %s::integer)",
+            [name, queued, wait_ms],
+        )
+        status, free, moved = cursor.fetchone()
+        return str(status), bool(free), int(moved)
+
+    def leave(self, cursor: Any, name: str, queued: int) -> None:
+        """Leave the queue and free the entry's lock, which wakes the one waiting behind
+        it; a reservation for this session that it did not take is handed on to the next
+        waiter (``distlock_leave``)."""
+        cursor.execute("SELECT distlock_leave(%s, %s::bigint)", [name, queued])
         cursor.fetchone()
 
     def wait_for_handoff(
