@@ -48,7 +48,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0007_postgresql_handoff")
+LATEST = ("distlock", "0009_postgresql_fewer_statements")
 
 
 def tables() -> set[str]:
