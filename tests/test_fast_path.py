@@ -118,6 +118,34 @@ def test_a_refused_try_takes_no_row_lock_and_does_not_queue():
 
 
 @postgresql_only
+def test_a_try_on_a_lock_reserved_for_another_session_takes_no_row_lock():
+    # Migration 0010 locks a row at once only if it looks free; a free row reserved for
+    # another waiter (the hand-off's grant window) does not look free to anyone else.
+    acquire("reserved", ttl=30).release()
+    raw = _raw_postgresql()
+    try:
+        raw.execute(
+            "UPDATE distlock_lock SET reserved_pid = pg_backend_pid(), reserved_until_us = "
+            "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT) + 3600000000 "
+            "WHERE name = 'reserved'"
+        )
+        xmax_before = raw.execute(
+            "SELECT xmax::text FROM distlock_lock WHERE name = 'reserved'"
+        ).fetchone()[0]
+        assert acquire("reserved", ttl=5, blocking=False) is None
+        xmax_after = raw.execute(
+            "SELECT xmax::text FROM distlock_lock WHERE name = 'reserved'"
+        ).fetchone()[0]
+        assert xmax_before == xmax_after
+        # The window over, the same try is granted.
+        raw.execute("UPDATE distlock_lock SET reserved_until_us = 1 WHERE name = 'reserved'")
+        lease = acquire("reserved", ttl=5, blocking=False)
+        assert lease is not None and lease.release() is True
+    finally:
+        raw.close()
+
+
+@postgresql_only
 def test_a_grant_waits_for_the_row_lock_then_judges_by_the_clock_after_it():
     first = acquire("queued", ttl=30)
     assert first.release() is True

@@ -63,7 +63,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0009_postgresql_waiter_chain")
+LATEST = ("distlock", "0010_postgresql_fewer_statements")
 
 
 def tables() -> set[str]:
@@ -125,6 +125,29 @@ def acquire_source() -> str:
     with connection.cursor() as cursor:
         cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = 'distlock_acquire'")
         return str(cursor.fetchone()[0])
+
+
+def release_source() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = 'distlock_release'")
+        return str(cursor.fetchone()[0])
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's functions")
+def test_0010_reversed_puts_back_the_bodies_it_replaced(migrated_back: None) -> None:
+    from distlock.migrations._postgresql import ACQUIRE_0007, RELEASE_0002
+
+    def body(sql: str) -> str:
+        return sql.split("$$", 2)[1]
+
+    assert "(0010)" in acquire_source() and "(0010)" in release_source()
+    call_command("migrate", "distlock", "0007", verbosity=0)
+    assert acquire_source() == body(ACQUIRE_0007)
+    assert release_source() == body(RELEASE_0002)
+    call_command("migrate", "distlock", verbosity=0)
+    assert "(0010)" in acquire_source() and "(0010)" in release_source()
+    lease = acquire("migrated-0010", ttl=30)
+    assert lease.release() is True
 
 
 def test_token_floor_starts_at_the_largest_token_of_an_existing_table(

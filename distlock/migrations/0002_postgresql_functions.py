@@ -49,7 +49,12 @@ step by step: a database that applied all of those counts it as applied.
 
 from django.db import migrations
 
-from distlock.migrations._postgresql import ACQUIRE_0002, NOW_US, run_on_postgresql
+from distlock.migrations._postgresql import (
+    ACQUIRE_0002,
+    NOW_US,
+    RELEASE_0002,
+    run_on_postgresql,
+)
 
 KEY = "1684825963, hashtext(p_name)"
 
@@ -112,33 +117,7 @@ BEGIN
     status := 'renewed'; renewed_us := now_us; expires_us := now_us + p_ttl_us;
 END
 $$;
-
-CREATE OR REPLACE FUNCTION distlock_release(
-    p_name text, p_owner text, p_token bigint, p_durable boolean DEFAULT true,
-    OUT held boolean, OUT released_us bigint, OUT durable boolean
-) LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    old_expires bigint;
-BEGIN
-    SELECT l.expires_us INTO old_expires FROM distlock_lock l
-     WHERE l.name = p_name AND l.owner = p_owner AND l.token = p_token FOR UPDATE;
-    IF NOT FOUND THEN
-        held := false;
-        RETURN;
-    END IF;
-    IF NOT p_durable THEN
-        -- For this transaction only (is_local): it ends with this statement.
-        PERFORM set_config('synchronous_commit', 'off', true);
-    END IF;
-    durable := current_setting('synchronous_commit') <> 'off';
-    released_us := {NOW_US};
-    UPDATE distlock_lock l SET owner = '', holder = '', expires_us = released_us
-     WHERE l.name = p_name;
-    held := old_expires > released_us;
-    PERFORM distlock_wake(p_name);
-END
-$$;
-
+{RELEASE_0002}
 CREATE OR REPLACE FUNCTION distlock_holds(p_name text, p_owner text, p_token bigint)
 RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
 BEGIN

@@ -31,47 +31,17 @@ starved by a queue it is not in.
 The window (HANDOFF_WINDOW_US) is decided in docs/decisions.md, from measurements.
 """
 
-import textwrap
-
 from django.db import migrations
 
-from distlock.migrations._postgresql import ACQUIRE_0003, NOW_US, run_on_postgresql
-
-HANDOFF_WINDOW_US = 1_000_000
-
-# The busy refusal, inserted before each of distlock_acquire's two busy checks: a lock
-# reserved for another session is busy until the window ends.
-RESERVED = """
-            IF r.reserved_until_us > now_us AND r.reserved_pid <> pg_backend_pid() THEN
-                status := 'busy'; token := r.token; other := r.holder;
-                remaining_us := GREATEST(r.expires_us, r.reserved_until_us) - now_us;
-                RETURN;
-            END IF;
-"""
-LOOK_0003 = """
-        IF FOUND THEN
-            now_us := {NOW_US};
-""".replace("{NOW_US}", NOW_US)
-LOCKED_0003 = """
-                IF r.token >= p_max_token THEN
-                    status := 'exhausted'; token := r.token;
-                    RETURN;
-                END IF;
-"""
-GRANT_0003 = """
-                       expires_us = now_us + p_ttl_us, renew_count = 0
-"""
-GRANT = """
-                       expires_us = now_us + p_ttl_us, renew_count = 0,
-                       reserved_pid = 0, reserved_until_us = 0
-"""
-for _step in (LOOK_0003, LOCKED_0003, GRANT_0003):
-    assert ACQUIRE_0003.count(_step) == 1, "0003's distlock_acquire changed"
-ACQUIRE = (
-    ACQUIRE_0003.replace(LOOK_0003, LOOK_0003 + RESERVED.lstrip("\n"))
-    .replace(LOCKED_0003, LOCKED_0003 + textwrap.indent(RESERVED.lstrip("\n"), "    "))
-    .replace(GRANT_0003, GRANT)
+from distlock.migrations._postgresql import (
+    ACQUIRE_0003,
+    ACQUIRE_0007,
+    HANDOFF_WINDOW_US,
+    NOW_US,
+    run_on_postgresql,
 )
+
+ACQUIRE = ACQUIRE_0007
 
 QUEUED = "1684825969, hashtext(p_name)"
 ALIVE = "1684825975, pg_backend_pid()"

@@ -6,6 +6,8 @@ reversed. So each version is written once, and no migration loads another throug
 importlib. A released version is never edited: a change is a new migration.
 """
 
+import textwrap
+
 from django.db import migrations
 from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.migrations.state import StateApps
@@ -130,3 +132,71 @@ FIRST_USE = """
 """
 assert ACQUIRE_0002.count(FIRST_USE_0002) == 1, "0002's first-use step moved"
 ACQUIRE_0003 = ACQUIRE_0002.replace(FIRST_USE_0002, FIRST_USE)
+
+# 0002's distlock_release, which 0010 replaces and puts back when reversed.
+RELEASE_0002 = f"""
+CREATE OR REPLACE FUNCTION distlock_release(
+    p_name text, p_owner text, p_token bigint, p_durable boolean DEFAULT true,
+    OUT held boolean, OUT released_us bigint, OUT durable boolean
+) LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    old_expires bigint;
+BEGIN
+    SELECT l.expires_us INTO old_expires FROM distlock_lock l
+     WHERE l.name = p_name AND l.owner = p_owner AND l.token = p_token FOR UPDATE;
+    IF NOT FOUND THEN
+        held := false;
+        RETURN;
+    END IF;
+    IF NOT p_durable THEN
+        -- For this transaction only (is_local): it ends with this statement.
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    durable := current_setting('synchronous_commit') <> 'off';
+    released_us := {NOW_US};
+    UPDATE distlock_lock l SET owner = '', holder = '', expires_us = released_us
+     WHERE l.name = p_name;
+    held := old_expires > released_us;
+    PERFORM distlock_wake(p_name);
+END
+$$;
+"""
+
+# 0007's distlock_acquire: 0003's with the hand-off's reservation (see 0007), which 0010
+# replaces and puts back when reversed.
+HANDOFF_WINDOW_US = 1_000_000
+
+# The busy refusal, inserted before each of distlock_acquire's two busy checks: a lock
+# reserved for another session is busy until the window ends.
+RESERVED = """
+            IF r.reserved_until_us > now_us AND r.reserved_pid <> pg_backend_pid() THEN
+                status := 'busy'; token := r.token; other := r.holder;
+                remaining_us := GREATEST(r.expires_us, r.reserved_until_us) - now_us;
+                RETURN;
+            END IF;
+"""
+LOOK_0003 = """
+        IF FOUND THEN
+            now_us := {NOW_US};
+""".replace("{NOW_US}", NOW_US)
+LOCKED_0003 = """
+                IF r.token >= p_max_token THEN
+                    status := 'exhausted'; token := r.token;
+                    RETURN;
+                END IF;
+"""
+GRANT_0003 = """
+                       expires_us = now_us + p_ttl_us, renew_count = 0
+"""
+GRANT = """
+                       expires_us = now_us + p_ttl_us, renew_count = 0,
+                       reserved_pid = 0, reserved_until_us = 0
+"""
+for _step in (LOOK_0003, LOCKED_0003, GRANT_0003):
+    assert ACQUIRE_0003.count(_step) == 1, "0003's distlock_acquire changed"
+ACQUIRE_0007 = (
+    ACQUIRE_0003.replace(LOOK_0003, LOOK_0003 + RESERVED.lstrip("\n"))
+    .replace(LOCKED_0003, LOCKED_0003 + textwrap.indent(RESERVED.lstrip("\n"), "    "))
+    .replace(GRANT_0003, GRANT)
+)
+
