@@ -356,6 +356,8 @@ def test_a_timeout_that_ends_behind_another_waiter_is_kept_and_leaves_nothing(ch
         assert gave_up["lock_timeout"] == "30s"
         assert gave_up["statement_timeout"] == "0"
         assert gave_up["client_connection_check_interval"] in ("0", None)
+        # Put back as it was: by RESET, not a SET of 0 (a SET stays on a pooled session).
+        assert gave_up["check_source"] in ("default", "configuration file", None), gave_up
         assert _holds_nothing(raw, pids[1])
         assert _queued(raw, "patience") == [pids[0], pids[2]]
         wait_until(lambda: _chained(raw, "patience", [pids[0], pids[2]]), 10,
@@ -383,6 +385,8 @@ def test_ctrl_c_behind_another_waiter_leaves_the_queue_clean(children):
         stopped = workers[1].expect("interrupted", timeout=60)
         assert stopped["lock_timeout"] == "30s"
         assert stopped["client_connection_check_interval"] in ("0", None)
+        # Put back as it was: by RESET, not a SET of 0 (a SET stays on a pooled session).
+        assert stopped["check_source"] in ("default", "configuration file", None), stopped
         assert _holds_nothing(raw, pids[1])
         wait_until(lambda: _chained(raw, "interrupted", [pids[0], pids[2]]), 30,
                    "the third waiter waits behind the first")

@@ -91,10 +91,15 @@ BEGIN
         -- this and ends, freeing its entry for the one behind (else it would wait on
         -- until the wait ended). For the session, as the timer is armed when a statement
         -- starts; distlock_leave puts it back. PostgreSQL 14+.
+        -- How it was is kept, to be put back as it was: a session's own 0 stays a SET,
+        -- the server's default comes back by RESET (no SET left on a pooled session).
         IF current_setting('server_version_num')::integer >= 140000
            AND current_setting('client_connection_check_interval') = '0' THEN
+            PERFORM set_config('distlock.checks_client',
+                (SELECT CASE WHEN s.source = 'session' THEN 'set' ELSE 'reset' END
+                   FROM pg_settings s WHERE s.name = 'client_connection_check_interval'),
+                false);
             PERFORM set_config('client_connection_check_interval', '{CHECK_CLIENT_MS}', false);
-            PERFORM set_config('distlock.checks_client', 'on', false);
         END IF;
     END IF;
     -- The entry lock before the row: a waiter that finds the row finds it held.
@@ -169,9 +174,12 @@ CREATE OR REPLACE FUNCTION distlock_leave(p_name text, p_queued bigint) RETURNS 
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     PERFORM distlock_unqueue(p_name);
-    IF current_setting('distlock.checks_client', true) = 'on' THEN
+    IF current_setting('distlock.checks_client', true) = 'reset' THEN
+        RESET client_connection_check_interval;
+        RESET distlock.checks_client;
+    ELSIF current_setting('distlock.checks_client', true) = 'set' THEN
         PERFORM set_config('client_connection_check_interval', '0', false);
-        PERFORM set_config('distlock.checks_client', '', false);
+        RESET distlock.checks_client;
     END IF;
     -- Last: the one behind, woken by this, finds the row gone and any reservation
     -- passed on (it waits for this transaction's row lock to read it).

@@ -15,10 +15,12 @@ def _settings(connection: Any) -> dict[str, str]:
     with connection.cursor() as cursor:
         cursor.execute("SELECT current_setting('lock_timeout'), "
                        "current_setting('statement_timeout'), "
-                       "current_setting('client_connection_check_interval', true)")
-        lock_timeout, statement_timeout, check = cursor.fetchone()
+                       "current_setting('client_connection_check_interval', true), "
+                       "(SELECT source FROM pg_settings "
+                       " WHERE name = 'client_connection_check_interval')")
+        lock_timeout, statement_timeout, check, source = cursor.fetchone()
     return {"lock_timeout": lock_timeout, "statement_timeout": statement_timeout,
-            "client_connection_check_interval": check}
+            "client_connection_check_interval": check, "check_source": source}
 
 
 def in_line(name: str, grants: int, timeout: float, lock_timeout: str = "",

@@ -99,11 +99,12 @@ def try_once(name: str, ttl: float) -> None:
 
 
 def wait_for(name: str, ttl: float, timeout: float, poll: float | None = None,
-             wakeups: bool = True, report_pauses: bool = False) -> None:
+             wakeups: bool | None = None, report_pauses: bool = False) -> None:
     """Blocking acquire after a "go" command; reports how long it waited.
 
     ``poll`` fixes the back-off pause (DISTLOCK_POLL_INTERVAL and _MAX_INTERVAL);
-    ``wakeups`` is DISTLOCK_WAKEUPS. With ``report_pauses`` a "pausing" event is
+    ``wakeups`` is DISTLOCK_WAKEUPS (None: the settings', which the PgBouncer pass turns
+    off). With ``report_pauses`` a "pausing" event is
     printed each time the acquire, refused, starts to wait: the one sure sign that its
     try is over. (Watching pg_stat_activity is not: psycopg prepares a statement in a
     round trip of its own, after which the backend is idle with the statement's text
@@ -124,7 +125,7 @@ def wait_for(name: str, ttl: float, timeout: float, poll: float | None = None,
 
         Waiter.wait = reported  # type: ignore[method-assign]
 
-    options: dict[str, Any] = {"DISTLOCK_WAKEUPS": wakeups}
+    options: dict[str, Any] = {} if wakeups is None else {"DISTLOCK_WAKEUPS": wakeups}
     if poll is not None:
         options.update(DISTLOCK_POLL_INTERVAL=poll, DISTLOCK_POLL_MAX_INTERVAL=poll)
     connection.ensure_connection()
