@@ -122,38 +122,17 @@ END
 $$;
 """
 
-RELEASE = f"""
-CREATE OR REPLACE FUNCTION distlock_release(
-    p_name text, p_owner text, p_token bigint, p_durable boolean DEFAULT true,
-    OUT held boolean, OUT released_us bigint, OUT durable boolean
-) LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    old_expires bigint;
-BEGIN
-    SELECT l.expires_us INTO old_expires FROM distlock_lock l
-     WHERE l.name = p_name AND l.owner = p_owner AND l.token = p_token FOR UPDATE;
-    IF NOT FOUND THEN
-        held := false;
-        RETURN;
-    END IF;
-    IF NOT p_durable THEN
-        -- For this transaction only (is_local): it ends with this statement.
-        PERFORM set_config('synchronous_commit', 'off', true);
-    END IF;
-    durable := current_setting('synchronous_commit') <> 'off';
-    released_us := {NOW_US};
-    UPDATE distlock_lock l SET owner = '', holder = '', expires_us = released_us
-     WHERE l.name = p_name;
-    held := old_expires > released_us;
+# 0002's release, but for its last step: the wake call only when a waiter key is taken.
+_WAKE_0002 = "    PERFORM distlock_wake(p_name);\n"
+assert RELEASE_0002.count(_WAKE_0002) == 1, "0002's wake step moved"
+RELEASE = RELEASE_0002.replace(_WAKE_0002, """\
     -- (0010) Someone listens (dlck) or is queued (dlcq) only if a key is taken: then
     -- distlock_wake, which takes them again (re-entrant) and decides as before.
     IF NOT (pg_try_advisory_xact_lock(1684825963, hashtext(p_name))
             AND pg_try_advisory_xact_lock(1684825969, hashtext(p_name))) THEN
         PERFORM distlock_wake(p_name);
     END IF;
-END
-$$;
-"""
+""")
 
 
 class Migration(migrations.Migration):
