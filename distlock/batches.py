@@ -54,16 +54,15 @@ def _run(alias: str, batch: Callable[[], tuple[int, bool]]) -> tuple[int, bool]:
     """``batch()``, run again after a busy timeout up to PURGE_BUSY_RETRIES times. Not in
     a caller's transaction: the failed statement has spoilt it, and a retry would run
     outside the writes it was meant to join."""
-    connection = connections[alias]
-    backend = backend_for(connection)
     failures = 0
     while True:
         try:
             return batch()
         except DatabaseError as exc:
             failures += 1
+            connection = connections[alias]
             if (failures > PURGE_BUSY_RETRIES or connection.in_atomic_block
-                    or not backend.busy(exc)):
+                    or not backend_for(connection).busy(exc)):
                 raise
             logger.warning("distlock purge: a batch waited out the busy timeout of %r "
                            "(%s); running it again (%d of %d)",
