@@ -338,6 +338,21 @@ def test_a_killed_waiter_in_the_middle_of_the_chain_strands_nobody(children):
         assert worker.finish() == 0
 
 
+def _left_cleanly(raw, name: str, holder, workers: list, pids: list[int], report: dict,
+                  within: float) -> None:
+    """The middle one of three chained waiters left (``report``: its session as it left):
+    its lock_timeout and client check as they were, nothing of it left in the queue, the
+    third now waiting behind the first, and both served in turn."""
+    assert report["lock_timeout"] == "30s"
+    assert report["client_connection_check_interval"] in ("0", None)
+    # Put back as it was: by RESET, not a SET of 0 (a SET stays on a pooled session).
+    assert report["check_source"] in ("default", "configuration file", None), report
+    assert _holds_nothing(raw, pids[1])
+    wait_until(lambda: _chained(raw, name, [pids[0], pids[2]]), within,
+               "the third waiter waits behind the first")
+    _served_in_turn(holder, [workers[0], workers[2]])
+
+
 @pytest.mark.processes
 @pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
 def test_a_timeout_that_ends_behind_another_waiter_is_kept_and_leaves_nothing(children):
@@ -353,16 +368,9 @@ def test_a_timeout_that_ends_behind_another_waiter_is_kept_and_leaves_nothing(ch
         pids = _queued(raw, "patience")
         gave_up = workers[1].expect("timeout", timeout=60)
         assert 2.0 <= gave_up["waited"] < 3.0, f"gave up after {gave_up['waited']:.3f} s"
-        assert gave_up["lock_timeout"] == "30s"
         assert gave_up["statement_timeout"] == "0"
-        assert gave_up["client_connection_check_interval"] in ("0", None)
-        # Put back as it was: by RESET, not a SET of 0 (a SET stays on a pooled session).
-        assert gave_up["check_source"] in ("default", "configuration file", None), gave_up
-        assert _holds_nothing(raw, pids[1])
         assert _queued(raw, "patience") == [pids[0], pids[2]]
-        wait_until(lambda: _chained(raw, "patience", [pids[0], pids[2]]), 10,
-                   "the third waiter waits behind the first")
-        _served_in_turn(holder, [workers[0], workers[2]])
+        _left_cleanly(raw, "patience", holder, workers, pids, gave_up, 10)
     finally:
         raw.close()
     for worker in workers:
@@ -383,14 +391,7 @@ def test_ctrl_c_behind_another_waiter_leaves_the_queue_clean(children):
         pids = _queued(raw, "interrupted")
         workers[1].signal(signal.SIGINT)
         stopped = workers[1].expect("interrupted", timeout=60)
-        assert stopped["lock_timeout"] == "30s"
-        assert stopped["client_connection_check_interval"] in ("0", None)
-        # Put back as it was: by RESET, not a SET of 0 (a SET stays on a pooled session).
-        assert stopped["check_source"] in ("default", "configuration file", None), stopped
-        assert _holds_nothing(raw, pids[1])
-        wait_until(lambda: _chained(raw, "interrupted", [pids[0], pids[2]]), 30,
-                   "the third waiter waits behind the first")
-        _served_in_turn(holder, [workers[0], workers[2]])
+        _left_cleanly(raw, "interrupted", holder, workers, pids, stopped, 30)
     finally:
         raw.close()
     for worker in workers:
