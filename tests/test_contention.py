@@ -10,7 +10,7 @@ import time
 import pytest
 from django.db import connections, transaction
 
-from distlock import acquire
+from distlock import acquire, db
 from distlock.backends import backend_for
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE as TABLE
@@ -282,6 +282,47 @@ def test_threads_waiting_for_one_name_take_turns(lock_db):
     assert not any(thread.is_alive() for thread in threads)
     assert order == [0, 1, 2, 4, 5, 0], "the lock was not handed over in arrival order"
     assert queued("default", "turns") == 0
+
+
+def test_a_blocking_acquire_queues_behind_a_pausing_thread_even_when_the_lock_is_free(
+    lock_db, settings
+):
+    """A blocking acquire that finds a thread of its process queued for the name does not
+    try first: even when the lock is free (freed by another process, so nothing cut the
+    queued thread's pause short), it waits behind that thread instead of barging past it.
+    The queued thread's pause is made long (seconds) and the database's own wake-ups are
+    off, so a barging try would win every time: no race decides this test."""
+    settings.DISTLOCK_POLL_INTERVAL = 5.0
+    settings.DISTLOCK_POLL_MAX_INTERVAL = 5.0
+    settings.DISTLOCK_WAKEUPS = False
+    holder = acquire("turns-free", ttl=60)
+    order: list[str] = []
+
+    def wait() -> None:
+        try:
+            lease = acquire("turns-free", ttl=60, timeout=60)
+            assert lease is not None
+            order.append("queued first")
+            lease.release()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    try:
+        wait_until(lambda: queued("default", "turns-free") == 1, 30, "a thread queued")
+        # Free the row as a release from another process would: this process's queue is
+        # not told, so the queued thread sleeps on until its next look.
+        held, _ = db.run("default", "release", holder.name, holder.owner, holder.token)
+        assert held
+        lease = acquire("turns-free", ttl=60, timeout=60)
+        assert lease is not None
+        order.append("came later")
+        lease.release()
+    finally:
+        thread.join(60)
+    assert not thread.is_alive()
+    assert order == ["queued first", "came later"], "the later acquire barged past the queue"
 
 
 def test_an_acquire_inside_atomic_is_refused_at_once_while_threads_queue(lock_db):
