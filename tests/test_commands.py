@@ -18,7 +18,7 @@ import pytest
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection, transaction
+from django.db import ProgrammingError, connection, transaction
 
 from distlock import (
     LockLost,
@@ -29,6 +29,7 @@ from distlock import (
     purge_locks,
     raise_tokens,
 )
+from distlock.backends import backend_for
 from distlock.constants import MAX_TOKEN
 from distlock.db import db_now_us
 from distlock.failover import RaisedTokens
@@ -529,12 +530,49 @@ def test_doctor_on_the_test_database():
         assert "[ok] the lock alias 'default' is its own connection" in out
     else:
         assert "isolation level is read committed" in out
+        assert "[ok] distlock's 14 SQL functions exist" in out
         assert "[ok] the lock alias 'default' is its own connection" in out
         if settings.PGBOUNCER:  # the documented settings for the pooler: nothing to fix
             assert "[ok] a transaction pooler (such as PgBouncer" in out
             assert "[ok] DISTLOCK_WAKEUPS is False" in out
         else:
             assert "[ok] no transaction pooler: each connection kept its own server" in out
+
+
+def test_doctor_names_a_missing_postgresql_function():
+    """Without one of distlock's SQL functions (migrations faked, or the schema they ran
+    in not on the connection's search_path) distlock_doctor fails and says what to check;
+    the release that needs it fails with the database's error and changes nothing, and
+    works once the function is back."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's SQL functions")
+    lease = acquire("no-function", ttl=30)
+    backend = backend_for(connection)
+    assert backend.missing_functions(connection) == []
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT oid::regprocedure::text FROM pg_proc "
+                       "WHERE proname = 'distlock_release'")
+        [(signature,)] = cursor.fetchall()
+        cursor.execute(f"ALTER FUNCTION {signature} RENAME TO distlock_release_hidden")
+    try:
+        assert backend.missing_functions(connection) == ["distlock_release"]
+        out = StringIO()
+        with pytest.raises(CommandError, match="1 problem"):
+            call_command("distlock_doctor", stdout=out)
+        report = out.getvalue()
+        assert "[FAIL] function(s) distlock_release missing" in report
+        assert "manage.py migrate distlock" in report and "search_path" in report
+        with pytest.raises(ProgrammingError, match="distlock_release"):
+            lease.release()
+        assert Lock.objects.get(name="no-function").owner == lease.owner
+    finally:
+        hidden = signature.replace("distlock_release", "distlock_release_hidden", 1)
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER FUNCTION {hidden} RENAME TO distlock_release")
+    assert backend.missing_functions(connection) == []
+    assert "no problems" in run("distlock_doctor")
+    assert lease.release() is True
+    assert Lock.objects.get(name="no-function").owner == ""
 
 
 @pytest.mark.skipif(not settings.PGBOUNCER, reason="the PgBouncer pass only (scripts/pgbouncer)")

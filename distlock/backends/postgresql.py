@@ -19,7 +19,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from distlock.backends import pg_collation
 from distlock.backends.base import Backend
 from distlock.backends.lean_cursor import LeanCursor
-from distlock.backends.results import OK, RENEW_REFUSED, Busy, Grant, exhausted
+from distlock.backends.results import FAIL, OK, RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE, MAX_TOKEN
 
@@ -31,6 +31,22 @@ _LOCK_WAIT_SQLSTATES = {"55P03"}
 # "prepared statement … does not exist" (26000) and "… already exists" (42P05).
 _LOST_PREPARED_SQLSTATES = {"26000", "42P05"}
 _NEVER_BY_COUNT = 2**62
+
+# Every server-side function distlock's migrations (0002, 0007, 0009, 0010) create and its
+# operations call, directly or from another of them: the doctor names any this session
+# cannot see.
+FUNCTIONS = (
+    "distlock_acquire", "distlock_renew", "distlock_release", "distlock_holds",
+    "distlock_channel", "distlock_wake", "distlock_listen", "distlock_unlisten",
+    "distlock_queue", "distlock_unqueue", "distlock_enqueue", "distlock_follow",
+    "distlock_leave", "distlock_ahead",
+)
+_NO_FUNCTION = (
+    "they are created by distlock's migrations in the schema those ran in, and acquire, "
+    "renew and release call them. Run `manage.py migrate distlock`; if its migrations are "
+    "recorded as applied (run with --fake, or only the tables restored), check that this "
+    "connection's search_path (SHOW search_path) includes that schema"
+)
 
 FENCE_FUNCTION = "distlock_refuse_lower_fence_token"
 
@@ -272,7 +288,28 @@ class PostgreSQL(Backend):
             found = f"session isolation level is {cursor.fetchone()[0]}"
         from distlock.backends.pg_pooler import pooler_findings
 
-        return [(OK, f"{found}; serialization failures are retried"), *pooler_findings(connection)]
+        missing = self.missing_functions(connection)
+        functions = (
+            (FAIL, f"function(s) {', '.join(missing)} missing: {_NO_FUNCTION}") if missing
+            else (OK, f"distlock's {len(FUNCTIONS)} SQL functions exist")
+        )
+        return [
+            (OK, f"{found}; serialization failures are retried"),
+            functions,
+            *pooler_findings(connection),
+        ]
+
+    def missing_functions(self, connection: BaseDatabaseWrapper) -> list[str]:
+        """Which of :data:`FUNCTIONS` no schema on this session's search_path holds."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT DISTINCT p.proname FROM pg_proc p JOIN pg_namespace n "
+                "ON n.oid = p.pronamespace WHERE n.nspname = ANY(current_schemas(false)) "
+                "AND p.proname = ANY(%s)",
+                [list(FUNCTIONS)],
+            )
+            present = {str(name) for (name,) in cursor.fetchall()}
+        return [name for name in FUNCTIONS if name not in present]
 
     def owned_index_sql(self, create: bool) -> str:
         # CONCURRENTLY: grants and releases go on while a large table is read.
