@@ -28,6 +28,11 @@ always wakes another process. This script measures, in one run, what that costs:
   and NOTIFYs it; the woken waiter's own statement takes it (release commit -> NOTIFY ->
   waiter's acquire commit). Also a lower bound (no grant window, no liveness checks).
 
+In both, joining the queue writes only to an unlogged table and takes no row lock, so it
+waits for no WAL flush (a commit that wrote WAL waits for its flush: pg_stat_wal's syncs
+per grant are reported, which is why the script wants a PostgreSQL server of its own:
+``DISTLOCK_BENCH_POSTGRES=postgresql://…:5499/distlock_bench``).
+
 Per scenario: grants/s, wait-to-grant p50/p99, Jain, "overtaken" (as in waiters.py),
 release -> next grant in another process, the machine's CPU use (/proc/stat) and the
 server CPU per grant; and, for each grant that went to another process, its critical
@@ -68,7 +73,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS hl_lock (
     name text PRIMARY KEY, owner text NOT NULL DEFAULT '',
     token bigint NOT NULL DEFAULT 0, reserved text NOT NULL DEFAULT '');
-CREATE TABLE IF NOT EXISTS hl_waiter (
+-- Unlogged, as distlock_waiter is: joining and leaving the queue wait for no WAL flush.
+CREATE UNLOGGED TABLE IF NOT EXISTS hl_waiter (
     id bigserial PRIMARY KEY, name text NOT NULL, owner text NOT NULL,
     channel text NOT NULL);
 CREATE INDEX IF NOT EXISTS hl_waiter_name_id ON hl_waiter (name, id);
@@ -76,14 +82,16 @@ CREATE TABLE IF NOT EXISTS hl_floor (id int PRIMARY KEY, n bigint NOT NULL);
 INSERT INTO hl_floor VALUES (1, 0) ON CONFLICT DO NOTHING;
 INSERT INTO hl_lock (name) VALUES ('waited') ON CONFLICT DO NOTHING;
 
--- Take the free row or join the queue, in one statement. The row lock comes first, so a
--- release (which takes it too) and an acquire never miss each other: a free row has an
--- empty queue, since a release with waiters hands the row on.
+-- Take the free row or join the queue, in one statement. Acquires and releases of a name
+-- take one advisory lock first, so they never miss each other (a free row has an empty
+-- queue: a release with waiters hands the row on). Not the row lock: a locking read
+-- writes WAL, so joining the queue would wait for a WAL flush.
 CREATE OR REPLACE FUNCTION hl_acquire(p_name text, p_owner text, p_channel text)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE r hl_lock%ROWTYPE;
 BEGIN
-    SELECT * INTO r FROM hl_lock WHERE name = p_name FOR UPDATE;
+    PERFORM pg_advisory_xact_lock(7115116, hashtext(p_name));
+    SELECT * INTO r FROM hl_lock WHERE name = p_name;
     IF r.owner = '' AND r.reserved = '' THEN
         UPDATE hl_lock SET owner = p_owner, token = r.token + 1 WHERE name = p_name;
         RETURN r.token + 1;
@@ -99,7 +107,8 @@ CREATE OR REPLACE FUNCTION hl_release(p_name text, p_owner text, p_direct boolea
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE t bigint; w hl_waiter%ROWTYPE;
 BEGIN
-    SELECT token INTO t FROM hl_lock WHERE name = p_name AND owner = p_owner FOR UPDATE;
+    PERFORM pg_advisory_xact_lock(7115116, hashtext(p_name));
+    SELECT token INTO t FROM hl_lock WHERE name = p_name AND owner = p_owner;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'hl_release: % does not hold %', p_owner, p_name;
     END IF;
@@ -273,23 +282,27 @@ def _worker(kind: str, index: int, conninfo: str, seconds: float, warmup: float,
     try:
         taker = Taker(kind, index, conninfo)
 
-        def loop(until: float, out: list[tuple[float, ...]] | None) -> None:
+        def loop(until: float, out: list[tuple[float, ...]] | None) -> int:
+            done = 0
             while time.perf_counter() < until:
                 handle = taker.take()
                 taker.stamps["got"] = time.perf_counter()
                 taker.release(handle)
+                done += 1
                 if out is not None:
                     out.append(taker.record())
+            return done
 
-        loop(time.perf_counter() + warmup, None)
+        warm = loop(time.perf_counter() + warmup, None)
         barrier.wait(timeout=300)
         grants: list[tuple[float, ...]] = []
         backend, cpu = cpu_seconds(taker.pid), time.process_time()
         loop(time.perf_counter() + seconds, grants)
-        queue.put((index, grants, cpu_seconds(taker.pid) - backend, time.process_time() - cpu))
+        queue.put((index, grants, cpu_seconds(taker.pid) - backend, time.process_time() - cpu,
+                   warm))
     except BaseException as exc:  # noqa: BLE001 - the parent fails the run
         barrier.abort()
-        queue.put((index, f"{type(exc).__name__}: {exc}", 0.0, 0.0))
+        queue.put((index, f"{type(exc).__name__}: {exc}", 0.0, 0.0, 0))
 
 
 def _cpu_busy() -> tuple[int, int]:
@@ -306,6 +319,26 @@ def _reset(conninfo: str) -> None:
         conn.execute("DELETE FROM hl_waiter")
         conn.execute("UPDATE hl_lock SET owner = '', reserved = ''")
         conn.execute("VACUUM hl_lock, hl_waiter, bench_lock, distlock_lock")
+        conn.execute("CHECKPOINT")
+
+
+def _wal(conninfo: str, others: int = 0) -> tuple[int, int]:
+    """The server's WAL syncs and records so far (pg_stat_wal: the whole server, so only
+    a server of the benchmark's own counts this run alone), once no more than ``others``
+    sessions besides this one are connected to the database (a backend adds its counts
+    when it exits)."""
+    import psycopg
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()"
+        ).fetchone()[0] > others:
+            time.sleep(0.05)
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        syncs, records = conn.execute("SELECT wal_sync, wal_records FROM pg_stat_wal").fetchone()
+        return int(syncs), int(records)
 
 
 def measure(kind: str, procs: int, conninfo: str, seconds: float,
@@ -314,6 +347,7 @@ def measure(kind: str, procs: int, conninfo: str, seconds: float,
 
     connections.close_all()
     _reset(conninfo)
+    syncs, records = _wal(conninfo)
     context = multiprocessing.get_context("fork")
     barrier, queue = context.Barrier(procs + 1), context.Queue()
     workers = [context.Process(target=_worker, args=(kind, i, conninfo, seconds, warmup,
@@ -335,7 +369,12 @@ def measure(kind: str, procs: int, conninfo: str, seconds: float,
     errors = [r[1] for r in reports if isinstance(r[1], str)]
     if errors:
         raise SystemExit(f"{kind} x{procs}: a worker failed: {errors[0]}")
+    syncs_end, records_end = _wal(conninfo)
     result = summarize([g for r in reports for g in r[1]], procs, seconds)
+    # Over the workers' whole lives (warm-up, measured, the last grants): their grants.
+    everything = result["grants"] + sum(r[4] for r in reports)
+    result["wal_syncs"] = (syncs_end - syncs) / max(everything, 1)
+    result["wal_records"] = (records_end - records) / max(everything, 1)
     result["cpu_busy_pct"] = (busy_end - busy) / max(total_end - total, 1) * 100
     result["server_us"] = sum(r[2] for r in reports) / max(result["grants"], 1) * 1e6
     result["client_us"] = sum(r[3] for r in reports) / max(result["grants"], 1) * 1e6
@@ -529,8 +568,9 @@ def main(argv: list[str] | None = None) -> int:
           f"distlock from {Path(sys.modules['distlock'].__file__ or '').parent}\n")
     print("| scenario | grants/s | × A | wait p50 / p99 ms | overtaken | Jain "
           "| same process again % | release → grant elsewhere p50 / p99 µs "
-          "| machine CPU busy % | server CPU µs/grant | client CPU µs/grant |")
-    print("|---|" + "---:|" * 10)
+          "| machine CPU busy % | server CPU µs/grant | client CPU µs/grant "
+          "| WAL syncs / grant | WAL records / grant |")
+    print("|---|" + "---:|" * 12)
     for kind, runs in seen.items():
         ratio = statistics.median(r["rate"] / a["rate"] for r, a in zip(runs, ref, strict=True))
         print(f"| {kind} | {med(runs, 'rate'):,.0f} | {ratio:.2f} "
@@ -538,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
               f"| {med(runs, 'overtaken'):.0f} | {med(runs, 'jain'):.3f} "
               f"| {med(runs, 'again_pct'):.0f} | {_fmt(med(runs, 'handoff_p50_us'))} / "
               f"{_fmt(med(runs, 'handoff_p99_us'))} | {med(runs, 'cpu_busy_pct'):.0f} "
-              f"| {med(runs, 'server_us'):,.0f} | {med(runs, 'client_us'):,.0f} |")
+              f"| {med(runs, 'server_us'):,.0f} | {med(runs, 'client_us'):,.0f} "
+              f"| {med(runs, 'wal_syncs'):.2f} | {med(runs, 'wal_records'):.1f} |")
     print("\nCritical path of a grant to another process (µs, medians of the grants, then "
           "over rounds): the holder's release call, its return -> the waiter woken (the "
           "NOTIFY; A: its next try sent), woken -> claim sent, the claim (the statement that "
@@ -561,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
               f"| {_fmt(parts[3])} | {after} | {_fmt(parts[5])} | {total:,.0f} "
               f"| {_fmt(med(runs, 'cycle_us'))} | {1e6 / med(runs, 'rate'):,.0f} "
               f"| {_fmt(med(runs, 'notified_pct'))} |")
-    print(f"\nFloors, nothing else running ({args.floor_count} each, p50 / p99 µs):\n")
+    print(f"\nFloors: this script's sessions alone on the database, after the scenarios "
+          f"({args.floor_count} each, p50 / p99 µs; load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}):\n")
     for label, figures in floor_rows:
         print(f"- {label}: {figures}")
     return 0
