@@ -4,6 +4,7 @@
     python benchmarks/handoff_limit.py                     # 3 rounds of 6 s, 8 processes
     python benchmarks/handoff_limit.py --quick             # 1 round of 3 s
     python benchmarks/handoff_limit.py --transport socket  # over the Unix socket
+    python benchmarks/handoff_limit.py --waits             # + what the sessions wait for
 
 Issue 15 asks distlock's blocking acquire (8 processes, one name) for the grants/s of A,
 8 processes spinning with try-locks. A is not fair: a process that has just released
@@ -299,10 +300,10 @@ def _worker(kind: str, index: int, conninfo: str, seconds: float, warmup: float,
         backend, cpu = cpu_seconds(taker.pid), time.process_time()
         loop(time.perf_counter() + seconds, grants)
         queue.put((index, grants, cpu_seconds(taker.pid) - backend, time.process_time() - cpu,
-                   warm))
+                   warm, taker.pid))
     except BaseException as exc:  # noqa: BLE001 - the parent fails the run
         barrier.abort()
-        queue.put((index, f"{type(exc).__name__}: {exc}", 0.0, 0.0, 0))
+        queue.put((index, f"{type(exc).__name__}: {exc}", 0.0, 0.0, 0, 0))
 
 
 def _cpu_busy() -> tuple[int, int]:
@@ -322,27 +323,51 @@ def _reset(conninfo: str) -> None:
         conn.execute("CHECKPOINT")
 
 
-def _wal(conninfo: str, others: int = 0) -> tuple[int, int]:
+def _wal(conninfo: str, pids: list[int] | None = None) -> tuple[int, int]:
     """The server's WAL syncs and records so far (pg_stat_wal: the whole server, so only
-    a server of the benchmark's own counts this run alone), once no more than ``others``
-    sessions besides this one are connected to the database (a backend adds its counts
-    when it exits)."""
+    a server of the benchmark's own counts this run alone), once the backends ``pids``
+    have exited (a backend adds its counts when it exits)."""
     import psycopg
 
     with psycopg.connect(conninfo, autocommit=True) as conn:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND pid <> pg_backend_pid()"
-        ).fetchone()[0] > others:
+        while pids and time.monotonic() < deadline and conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)
+        ).fetchone()[0]:
             time.sleep(0.05)
         conn.execute("SELECT pg_stat_force_next_flush()")
         syncs, records = conn.execute("SELECT wal_sync, wal_records FROM pg_stat_wal").fetchone()
         return int(syncs), int(records)
 
 
+# The statement a session runs, by the function or table it names (pg_stat_activity).
+_SAMPLE = (
+    "SELECT substring(query from '(distlock_[a-z]+|hl_[a-z]+|INSERT INTO bench_lock|"
+    "UPDATE bench_lock|UPDATE hl_lock|pg_advisory_[a-z]+)'), "
+    "coalesce(wait_event_type, 'CPU') || ':' || coalesce(wait_event, '-') "
+    "FROM pg_stat_activity WHERE datname = current_database() AND state = 'active' "
+    "AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+)
+
+
+def _sample(conninfo: str, seconds: float) -> dict[str, dict[str, int]]:
+    """What the database's active sessions wait for, sampled about every ms for
+    ``seconds``: per statement, the samples of each wait event ("CPU:-": none)."""
+    import psycopg
+
+    seen: dict[str, dict[str, int]] = {}
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            for statement, wait in conn.execute(_SAMPLE).fetchall():
+                waits = seen.setdefault(statement or "other", {})
+                waits[wait] = waits.get(wait, 0) + 1
+            time.sleep(0.001)
+    return seen
+
+
 def measure(kind: str, procs: int, conninfo: str, seconds: float,
-            warmup: float) -> dict[str, Any]:
+            warmup: float, sample: bool = False) -> dict[str, Any]:
     from django.db import connections
 
     connections.close_all()
@@ -357,7 +382,9 @@ def measure(kind: str, procs: int, conninfo: str, seconds: float,
     try:
         barrier.wait(timeout=300)
         busy, total = _cpu_busy()
-        time.sleep(seconds)
+        waits = _sample(conninfo, seconds) if sample else {}
+        if not sample:
+            time.sleep(seconds)
         busy_end, total_end = _cpu_busy()
         reports = [queue.get(timeout=seconds + 300) for _ in workers]
     finally:
@@ -369,12 +396,13 @@ def measure(kind: str, procs: int, conninfo: str, seconds: float,
     errors = [r[1] for r in reports if isinstance(r[1], str)]
     if errors:
         raise SystemExit(f"{kind} x{procs}: a worker failed: {errors[0]}")
-    syncs_end, records_end = _wal(conninfo)
+    syncs_end, records_end = _wal(conninfo, [r[5] for r in reports])
     result = summarize([g for r in reports for g in r[1]], procs, seconds)
     # Over the workers' whole lives (warm-up, measured, the last grants): their grants.
     everything = result["grants"] + sum(r[4] for r in reports)
     result["wal_syncs"] = (syncs_end - syncs) / max(everything, 1)
     result["wal_records"] = (records_end - records) / max(everything, 1)
+    result["waits"] = waits
     result["cpu_busy_pct"] = (busy_end - busy) / max(total_end - total, 1) * 100
     result["server_us"] = sum(r[2] for r in reports) / max(result["grants"], 1) * 1e6
     result["client_us"] = sum(r[3] for r in reports) / max(result["grants"], 1) * 1e6
@@ -521,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=dbs.TRANSPORTS, default="tcp")
     parser.add_argument("--floor-count", type=int, default=2000)
     parser.add_argument("--db-suffix", default="_limit")
+    parser.add_argument("--waits", action="store_true",
+                        help="sample pg_stat_activity's wait events during each measurement")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds, args.warmup, args.floor_count = 1, 3.0, 0.5, 500
@@ -550,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     for round_no in range(args.rounds):
         shift = round_no % len(kinds)
         for kind in kinds[shift:] + kinds[:shift]:
-            seen[kind].append(measure(kind, args.procs, conninfo, args.seconds, args.warmup))
+            seen[kind].append(measure(kind, args.procs, conninfo, args.seconds, args.warmup,
+                                      args.waits))
             print(f"round {round_no + 1}: {kind} done, load {os.getloadavg()[0]:.1f}",
                   file=sys.stderr)
     end_load = os.getloadavg()
@@ -602,6 +633,25 @@ def main(argv: list[str] | None = None) -> int:
               f"| {_fmt(parts[3])} | {after} | {_fmt(parts[5])} | {total:,.0f} "
               f"| {_fmt(med(runs, 'cycle_us'))} | {1e6 / med(runs, 'rate'):,.0f} "
               f"| {_fmt(med(runs, 'notified_pct'))} |")
+    if args.waits:
+        print("\nWhat the active sessions waited for (pg_stat_activity sampled about every "
+              "ms, all rounds; per statement its samples, and each wait event's share of "
+              "them when ≥ 5 %):\n")
+        for kind, runs in seen.items():
+            merged: dict[str, dict[str, int]] = {}
+            for r in runs:
+                for statement, waits in r["waits"].items():
+                    into = merged.setdefault(statement, {})
+                    for wait, n in waits.items():
+                        into[wait] = into.get(wait, 0) + n
+            for statement, waits in sorted(merged.items()):
+                total = sum(waits.values())
+                if total < 20:
+                    continue
+                shares = ", ".join(f"{wait} {n / total * 100:.0f} %" for wait, n in
+                                   sorted(waits.items(), key=lambda kv: -kv[1])
+                                   if n >= total * 0.05)
+                print(f"- {kind}, {statement} ({total:,} samples): {shares}")
     print(f"\nFloors: this script's sessions alone on the database, after the scenarios "
           f"({args.floor_count} each, p50 / p99 µs; load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}):\n")
