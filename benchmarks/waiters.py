@@ -9,7 +9,9 @@ back, the reference's spinning; distlock: a blocking ``acquire(timeout=…)``), 
 ``--hold`` seconds, release. Per scenario it reports grants/s, wait-to-grant p50/p99 (the
 call, or A's first refused try, to the grant), the longest wait, how many grants one other
 worker got at most while a worker waited ("overtaken": 1 is first come, first served),
-Jain's index of the grants per worker, wake-ups per release (every
+Jain's index of the grants per worker, how many grants went to the process that made
+the release just before ("same process again": a re-grab needs no wake-up of another
+process, which a fair hand-off never gets), wake-ups per release (every
 ``psycopg.Connection.notifies()`` item counted in each worker, and every waiter woken
 because the one ahead of it left the queue), and the server's CPU per
 grant (each worker's backend, from ``/proc/<pid>/stat``: run it on the database's own
@@ -129,6 +131,9 @@ def measure(kind: str, procs: int, hold: float, seconds: float, warmup: float) -
     released = sorted(done for grants in per_worker.values() for _, _, done in grants)
     idle = [got - released[i - 1] for got in granted
             if (i := bisect.bisect_left(released, got)) > 0]
+    # Who got each grant, in grant order: the share that went to the previous holder again.
+    order = sorted((got, index) for index, grants in per_worker.items() for _, got, _ in grants)
+    again = sum(a[1] == b[1] for a, b in zip(order, order[1:], strict=False))
     overtaken = 0
     for index, grants in per_worker.items():
         others = [sorted(got for _, got, _ in g) for i, g in per_worker.items() if i != index]
@@ -142,6 +147,7 @@ def measure(kind: str, procs: int, hold: float, seconds: float, warmup: float) -
         "p99_ms": percentile(waits, 0.99) * 1e3,
         "max_ms": max(waits) * 1e3,
         "overtaken": overtaken,
+        "again_pct": again / max(total - 1, 1) * 100,
         "idle_p99_ms": percentile(idle, 0.99) * 1e3 if idle else 0.0,
         "idle_max_ms": max(idle) * 1e3 if idle else 0.0,
         "jain": jain([float(len(g)) for g in per_worker.values()]),
@@ -187,7 +193,8 @@ def in_subprocess(*argv: str) -> None:
 
 SUFFIX = "_waiters"
 COLUMNS = ("grants/s", "× A", "wait p50 ms", "wait p99 ms", "max wait ms", "overtaken",
-           "Jain", "wake-ups/release", "server CPU µs/grant", "client CPU µs/grant",
+           "same process again %", "Jain", "wake-ups/release", "server CPU µs/grant",
+           "client CPU µs/grant",
            "release→grant p99 / max ms")
 
 
@@ -241,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         vs_a = statistics.median(r["rate"] / a["rate"] for r, a in zip(runs, ref, strict=True))
         print(f"| {label}, {procs} processes | {med('rate'):,.0f} | {vs_a:.2f} | "
               f"{med('p50_ms'):.1f} | {med('p99_ms'):.1f} | {med('max_ms'):.0f} | "
-              f"{med('overtaken'):.0f} | {med('jain'):.3f} | {med('wakeups'):.2f} | "
+              f"{med('overtaken'):.0f} | {med('again_pct'):.0f} | {med('jain'):.3f} | "
+              f"{med('wakeups'):.2f} | "
               f"{med('server_us'):.0f} | {med('client_us'):.0f} | "
               f"{med('idle_p99_ms'):.1f} / {med('idle_max_ms'):.0f} |")
     print("\nNOTIFY's own server CPU (µs per NOTIFY), by listening sessions:")
