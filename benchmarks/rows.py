@@ -309,9 +309,10 @@ def purge_rounds(backend: str, size: int, args: argparse.Namespace) -> None:
     """Purge beside acquire (benchmarks/rows_purge.py), --purge-rounds rounds for each
     --purge-batch size, the large table filled again before each."""
     db_alias = alias(backend, size)
-    print(f"\npurge beside acquire ({label(size)} idle rows; medians of rounds)\n")
-    print(rows_purge.table_head())
-    for batch in args.purge_batch:
+    if not args.only_events:
+        print(f"\npurge beside acquire ({label(size)} idle rows; medians of rounds)\n")
+        print(rows_purge.table_head())
+    for batch in [] if args.only_events else args.purge_batch:
         for rest in args.purge_rest:
             rounds = []
             for round_no in range(args.purge_rounds):
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--purge-rest", default=None,
                         help="rests between batches to compare, as multiples of the batch's "
                              "time, e.g. 0,1 (default: PURGE_REST)")
+    parser.add_argument("--only-events", action="store_true",
+                        help="with --only-purge: audit retention only, not the lock purge")
     parser.add_argument("--purge-events", type=int, default=0,
                         help="audit events for audit retention beside acquire (0: skip)")
     parser.add_argument("--db-suffix", default="",

@@ -183,7 +183,9 @@ def purge_events(
     rows were deleted; 0 when retention is None and no ``older_than`` is given. Deletes
     in batches of ``PURGE_BATCH`` rows, one short transaction each (unless the caller
     holds a transaction open around it).
-    Raises TypeError/ValueError for a bad age (nothing is deleted).
+    Raises TypeError/ValueError for a bad age (nothing is deleted); on SQLite,
+    OperationalError as :func:`distlock.purge_locks` does (the batches before it stay
+    deleted).
     """
     if older_than is None:
         seconds = retention()

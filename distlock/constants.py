@@ -31,6 +31,15 @@ PURGE_REST_MAX = 0.05
 # A batch that gave up waiting for SQLite's write lock (its busy timeout, "database is
 # locked") is run again, at most this many times, before the purge fails with the error.
 PURGE_BUSY_RETRIES = 3
+# On SQLite a batch polls for the write lock itself (its busy timeout set to 0 meanwhile),
+# every PURGE_POLL seconds on average (jittered), for as long as the busy timeout would
+# have waited: SQLite's own busy handler sleeps 1, 2, 5 ... 100 ms between its polls and
+# loses the lock to a writer that commits hundreds of times a second.
+PURGE_POLL = 0.0005
+# After a SQLite batch that found the write lock taken (writers are busy beside it), a
+# rest of at least this long: each batch delays one operation of each writer by its own
+# length, so fewer batches a second keep the writers' p99 where it was.
+PURGE_BUSY_REST = 0.1
 
 # The column every fenced model has: the highest fencing token that wrote the row.
 FENCE_FIELD = "fence_token"

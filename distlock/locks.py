@@ -347,7 +347,10 @@ def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) 
     comes back gets a higher token than it ever had. Rows are deleted in batches of
     ``PURGE_BATCH`` names, one short transaction each, so a purge of a large table never
     holds row locks for long; rows that become idle while it runs may be left for the
-    next purge. See :func:`purge_batches` for the rest between batches.
+    next purge. See :func:`purge_batches` for the rest between batches. On SQLite a
+    batch polls for the write lock itself and raises OperationalError ("database is
+    locked", with the rows deleted before it) if it gets none within the busy timeout
+    four times (distlock/batches.py); the batches before it stay deleted.
     """
     seconds = check_seconds(idle, "idle")
     if seconds < 0:
@@ -365,17 +368,23 @@ def purge_batches(
     seconds the batch took), for benchmarks/rows_purge.py to time them."""
     size = PURGE_BATCH if size is None else size
     after: str | None = ""
-
-    one_writer = backend_for(connections[alias]).single_writer
+    connection = connections[alias]
+    backend = backend_for(connection)
+    one_writer = backend.single_writer
+    if one_writer:
+        db.refuse_atomic(connection, backend)
 
     def batch() -> tuple[int, bool]:
         # Two transactions: the floor raised (and committed) first, then the delete, so
         # the floor's lock is held for one row's update, not for a batch of deletes
         # (first uses of new names wait for it; docs/performance.md, "Purge beside
-        # acquire"). One on SQLite, where every writer waits for the whole batch anyway.
+        # acquire"). One on SQLite, where every writer waits for the whole batch anyway:
+        # the transaction in_batches() opens once it holds the write lock.
         nonlocal after
         if one_writer:
-            deleted, after = db.run(alias, "purge_batch", idle_us, after, size)
+            assert after is not None  # in_batches stops once a batch reached the end
+            with connection.cursor() as cursor:
+                deleted, after = backend.purge_batch(cursor, idle_us, after, size)
             return deleted, after is not None
         idle, ceiling, after = db.run(alias, "purge_look", idle_us, after, size)
         deleted = db.run(alias, "purge_delete", idle, idle_us, ceiling) if idle else 0

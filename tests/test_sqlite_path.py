@@ -463,3 +463,47 @@ def test_a_purge_in_the_callers_transaction_is_not_run_again(holder, retries):
     finally:
         blocker.commit()
     assert LockEvent.objects.count() == 5
+
+
+def _busy_timeout_ms() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout")
+        return int(cursor.fetchone()[0])
+
+
+def test_the_polled_batch_gives_up_at_the_busy_timeout_and_puts_it_back(holder, retries):
+    """Another process holds the write lock: the purge's own polling ends at the busy
+    timeout (200 ms, from the ``retries`` fixture) each try, the purge then fails with
+    "database is locked" and the count deleted so far, nothing of the batch written, and
+    the connection's busy timeout is 200 ms again (the polling set it to 0)."""
+    Lock.objects.bulk_create(Lock(name=f"idle:{i}", token=i + 1, expires_us=1) for i in range(3))
+    blocker = holder()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OperationalError, match="database is locked.*0 rows deleted"):
+            purge_locks(idle=0)
+        took = time.monotonic() - started
+        assert retries.count == PURGE_BUSY_RETRIES
+        # 1 + PURGE_BUSY_RETRIES tries of 200 ms each.
+        assert took >= 0.2 * (1 + PURGE_BUSY_RETRIES) * 0.9, took
+        assert _busy_timeout_ms() == 200
+    finally:
+        blocker.commit()
+    assert Lock.objects.count() == 3
+
+
+def test_the_polled_batch_puts_the_busy_timeout_back_after_a_batch(retries):
+    """After a batch that got the lock at once, the busy timeout is what it was."""
+    Lock.objects.bulk_create(Lock(name=f"idle:{i}", token=i + 1, expires_us=1) for i in range(3))
+    assert purge_locks(idle=0) == 3
+    assert _busy_timeout_ms() == 200
+    assert retries.count == 0
+
+
+def test_a_purge_in_the_callers_transaction_is_refused_before_any_batch():
+    """purge_locks() inside atomic() is refused as before, before anything is polled."""
+    Lock.objects.bulk_create(Lock(name=f"idle:{i}", token=i + 1, expires_us=1) for i in range(3))
+    with pytest.raises(TransactionNotAllowed), transaction.atomic():
+        purge_locks(idle=0)
+    assert Lock.objects.count() == 3
+    assert _busy_timeout_ms() == 30000

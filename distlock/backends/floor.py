@@ -11,6 +11,7 @@ lock row above every token the lost primary can have issued. Portable SQL, a bas
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 from distlock.constants import FLOOR_ID, FLOOR_TABLE, MAX_TOKEN
@@ -123,6 +124,12 @@ class TokenFloorSQL:
         Returns (rows deleted, the last name looked at)."""
         idle, ceiling, last = self.purge_look(cursor, idle_us, after, size)
         return (self.purge_delete(cursor, idle, idle_us, ceiling) if idle else 0), last
+
+    def batch_transaction(self, connection: Any) -> AbstractContextManager[bool]:
+        """The transaction of one purge or retention batch on a database with one writer
+        (``single_writer``), begun once it holds the write lock; yields whether the lock
+        was taken by someone else when the batch first asked (distlock/batches.py)."""
+        raise NotImplementedError
 
     def raise_tokens(
         self, cursor: Any, margin: int

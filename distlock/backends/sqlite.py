@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import sqlite3
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 from django.core.checks import CheckMessage, Error
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
 from distlock.backends.lean_cursor import LeanCursor
 from distlock.backends.results import FAIL, OK, WARN, Busy, Grant
-from distlock.constants import FLOOR_ID, FLOOR_TABLE, MAX_TOKEN
+from distlock.constants import FLOOR_ID, FLOOR_TABLE, MAX_TOKEN, PURGE_POLL
 from distlock.constants import LOCK_TABLE as TABLE
 from distlock.exceptions import TransactionNotAllowed
 from distlock.validation import positive_seconds
@@ -153,6 +155,42 @@ class SQLite(Backend):
                 cursor.execute("ROLLBACK", ())
             raise
         return result
+
+    @contextlib.contextmanager
+    def batch_transaction(self, connection: BaseDatabaseWrapper) -> Iterator[bool]:
+        """Django's durable atomic() on ``connection``, entered once its ``BEGIN
+        IMMEDIATE`` has the file's write lock, which this polls for itself: the busy
+        timeout set to 0, a try every PURGE_POLL seconds (jittered), for as long as the
+        busy timeout would have waited. SQLite's busy handler sleeps ever longer between
+        its polls (up to 100 ms), and a writer that commits hundreds of times a second
+        takes the lock in every gap, so a purge batch waiting through it starved
+        (docs/performance.md, "Purge beside acquire"). Yields whether the lock was taken
+        when first asked. Raises the busy error ("database is locked") when the time is
+        up, having begun nothing; the busy timeout is put back either way."""
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout")
+            timeout_ms = int(cursor.fetchone()[0])
+            cursor.execute("PRAGMA busy_timeout = 0")
+        with contextlib.ExitStack() as stack:
+            try:
+                deadline = time.monotonic() + timeout_ms / 1000
+                contended = False
+                while True:
+                    try:
+                        stack.enter_context(
+                            transaction.atomic(using=connection.alias, durable=True)
+                        )
+                        break
+                    except DatabaseError as exc:
+                        if not self.busy(exc) or time.monotonic() >= deadline:
+                            raise
+                    contended = True
+                    # A poll, not a wait for a condition SQLite could signal.
+                    time.sleep(random.uniform(0, 2 * PURGE_POLL))
+            finally:
+                with connection.cursor() as cursor:
+                    cursor.execute(f"PRAGMA busy_timeout = {timeout_ms:d}")
+            yield contended
 
     # -- the lock operations: one statement each where SQLite allows -------------------
 
