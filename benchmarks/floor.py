@@ -3,6 +3,7 @@
 
     python benchmarks/floor.py --db-suffix _floor                  # both parts, both transports
     python benchmarks/floor.py --db-suffix _floor --part django    # 1 process, Django's floor
+    python benchmarks/floor.py --db-suffix _floor --part python    # client CPU, one process
     python benchmarks/floor.py --db-suffix _floor --part index --shapes owned,none,brin
 
 Part ``django`` (1 process): A's two statements on their own psycopg connection (the
@@ -14,6 +15,9 @@ code does) — then distlock's own statements on Django's connection by raw psyc
 distlock's public API with and without signal receivers. Client CPU per cycle
 (``time.process_time``), the backend's CPU per cycle (``/proc/<pid>/schedstat``, so it runs
 on the database's machine) and cycles/s, each as a ratio to A's in the same round.
+
+Part ``python``: client CPU only, the rows A, A on Django's connection, distlock's
+functions and distlock, in short blocks in turn in one process (less moved by the load).
 
 Part ``index`` (8 processes on their own names): A, distlock, and A's statements on a copy
 of ``distlock_lock`` (its columns, indexes and fillfactor), with each shape of the
@@ -159,7 +163,8 @@ def configure(suffix: str, transports: list[str]) -> None:
     import django
     from django.conf import settings
 
-    databases = {t: dbs.pg_settings(suffix, t) for t in transports}
+    databases = {t + extra: dbs.pg_settings(suffix, t)
+                 for t in transports for extra in ("", "_fn", "_dl")}
     databases["default"] = dbs.pg_settings(suffix)
     settings.configure(
         DATABASES=databases, USE_TZ=True, SECRET_KEY="bench", DEBUG=False,
@@ -251,6 +256,41 @@ def part_django(suffix: str, transports: list[str], rounds: int, seconds: float)
         table(seen, rows[0].label)
 
 
+def part_python(suffix: str, transports: list[str], blocks: int, per: int) -> None:
+    """Client CPU only, in this one process: short blocks of each row in turn, so the
+    machine's load moves all rows alike (profile_cycle.py's method)."""
+    print(f"## Part 1b: 1 process, client CPU µs/cycle, {blocks} blocks of {per} cycles per "
+          f"row in turn, medians; load average {load()} at the start\n")
+    name = f"floor:{os.getpid()}"
+    for transport in transports:
+        rows: list[c.Contender] = [
+            c.PgUpsert(dbs.pg_conninfo(suffix, transport)),
+            PreparedOnDjango(transport, "A on Django's psycopg connection, prepared cursor"),
+            cpu_split.SqlFunctionsOnDjango(transport + "_fn"),
+            c.Distlock(transport + "_dl"),
+        ]
+        seen: dict[str, list[float]] = {x.label: [] for x in rows}
+        for row in rows:
+            row.connect()
+            for _ in range(300):  # warm-up: statements prepared, caches filled
+                row.release(row.try_acquire(name))
+        for block in range(blocks):
+            for row in run.rotated(rows, block):
+                began = time.process_time()
+                for _ in range(per):
+                    row.release(row.try_acquire(name))
+                seen[row.label].append((time.process_time() - began) / per * 1e6)
+        a = seen[rows[0].label]
+        print(f"{transport}, load average {load()} at the end\n")
+        print("| | client CPU µs/cycle | × A (median of the blocks' ratios) |\n|---|---:|---:|")
+        for label, values in seen.items():
+            ratio = statistics.median(m / r for m, r in zip(values, a, strict=True))
+            print(f"| {label} | {statistics.median(values):.0f} | {ratio:.2f} |")
+        print()
+        for row in rows:
+            row.close()
+
+
 def table(seen: dict[str, list[tuple[float, float, float]]], reference: str,
           hot: dict[str, list[float]] | None = None) -> None:
     print("| | cycles/s | × A | client CPU µs/cycle | × A | backend CPU µs/cycle | × A |"
@@ -313,11 +353,13 @@ def part_index(suffix: str, transports: list[str], rounds: int, seconds: float, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--db-suffix", default="_floor")
-    parser.add_argument("--part", choices=["django", "index", "both"], default="both")
+    parser.add_argument("--part", choices=["django", "python", "index", "both"], default="both")
     parser.add_argument("--transport", choices=[*dbs.TRANSPORTS, "both"], default="both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--procs", type=int, default=8, help="part index's processes")
+    parser.add_argument("--blocks", type=int, default=20, help="part python's blocks per row")
+    parser.add_argument("--per", type=int, default=300, help="part python's cycles per block")
     parser.add_argument("--shapes", default="owned,none",
                         help=f"part index's index shapes, of {', '.join(SHAPES)}")
     args = parser.parse_args(argv)
@@ -334,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
           f"database {dbs.pg_settings(args.db_suffix)['NAME']}\n")
     if args.part in ("django", "both"):
         part_django(args.db_suffix, transports, args.rounds, args.seconds)
+    if args.part in ("python", "both"):
+        part_python(args.db_suffix, transports, args.blocks, args.per)
     if args.part in ("index", "both"):
         part_index(args.db_suffix, transports, args.rounds, args.seconds, args.procs, shapes)
     return 0
