@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What limits distlock's PostgreSQL figures against A, measured in one run (issue 15).
 
-    python benchmarks/floor.py --db-suffix _floor                  # both parts, both transports
+    python benchmarks/floor.py --db-suffix _floor                  # every part, both transports
     python benchmarks/floor.py --db-suffix _floor --part django    # 1 process, Django's floor
     python benchmarks/floor.py --db-suffix _floor --part python    # client CPU, one process
     python benchmarks/floor.py --db-suffix _floor --part index --shapes owned,none,brin
@@ -353,7 +353,8 @@ def part_index(suffix: str, transports: list[str], rounds: int, seconds: float, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--db-suffix", default="_floor")
-    parser.add_argument("--part", choices=["django", "python", "index", "both"], default="both")
+    parser.add_argument("--part", choices=["django", "python", "index", "both"], default="both",
+                        help="both: every part")
     parser.add_argument("--transport", choices=[*dbs.TRANSPORTS, "both"], default="both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0)
