@@ -33,7 +33,7 @@ from distlock.constants import PURGE_BUSY_RETRIES
 from distlock.models import Lock, LockEvent, TokenFloor
 from distlock.testing import make_stale
 from tests.stressapp.models import Resource
-from tests.support.helpers import expired_lock
+from tests.support.helpers import expired_lock, wait_until
 
 pytestmark = [
     pytest.mark.usefixtures("lock_db"),
@@ -507,3 +507,39 @@ def test_a_purge_in_the_callers_transaction_is_refused_before_any_batch():
         purge_locks(idle=0)
     assert Lock.objects.count() == 3
     assert _busy_timeout_ms() == 30000
+
+
+def test_the_purge_polls_for_the_write_lock_itself(holder):
+    """While another process holds the write lock, a purge batch asks for it again and
+    again (its own polling, with the busy timeout at 0 meanwhile) rather than waiting in
+    one BEGIN IMMEDIATE through SQLite's busy handler, whose ever longer sleeps lose the
+    lock to a writer that commits back to back. The holder lets go only once it has seen
+    three tries: a batch waiting in the busy handler (30 s here) makes one, so no race
+    decides the outcome."""
+    Lock.objects.bulk_create(Lock(name=f"idle:{i}", token=i + 1, expires_us=1) for i in range(3))
+    tries: list[str] = []
+    purged: list[int] = []
+
+    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.startswith("BEGIN"):
+            tries.append(sql)
+        return execute(sql, params, many, context)
+
+    def purge() -> None:
+        try:
+            with connection.execute_wrapper(count):
+                purged.append(purge_locks(idle=0))
+        finally:
+            connections.close_all()
+
+    blocker = holder()
+    thread = threading.Thread(target=purge)
+    try:
+        thread.start()
+        wait_until(lambda: len(tries) >= 3, 10, "the purge asking again for the write lock")
+    finally:
+        blocker.commit()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert purged == [3]
+    assert Lock.objects.count() == 0
