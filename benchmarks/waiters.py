@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds each grant is held (default 0: release at once)")
     parser.add_argument("--many", type=int, default=64, help="waiters of the large scenario")
     parser.add_argument("--db-suffix", default=SUFFIX)
+    parser.add_argument("--listening-waiters", type=int, default=None,
+                        help="DISTLOCK_LISTENING_WAITERS (default: distlock's own default)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds, args.warmup, args.many = 1, 3.0, 0.5, 16
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "distlock",
                         "benchmarks.benchapp"],
         USE_TZ=True, SECRET_KEY="bench", DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        **({} if args.listening_waiters is None
+           else {"DISTLOCK_LISTENING_WAITERS": args.listening_waiters}),
     )
     django.setup()
     dbs.create_pg(SUFFIX)
@@ -235,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"One name, {args.rounds} round(s) of {args.seconds} s, hold {args.hold * 1e3:g} ms, "
           f"medians; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; "
-          f"distlock from {Path(sys.modules['distlock'].__file__ or '').parent}\n")
+          f"distlock from {Path(sys.modules['distlock'].__file__ or '').parent}"
+          + ("" if args.listening_waiters is None
+             else f", DISTLOCK_LISTENING_WAITERS = {args.listening_waiters}") + "\n")
     print("| scenario | " + " | ".join(COLUMNS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
     ref = seen[("A", 8)]

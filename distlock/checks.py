@@ -44,6 +44,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     for key in ("WAKEUPS", "PREPARE_STATEMENTS", "DURABLE_RELEASE"):
         if not isinstance(getattr(conf, key), bool):
             errors.append(Error(f"DISTLOCK_{key} must be True or False.", id="distlock.E005"))
+    listeners = conf.LISTENING_WAITERS
+    # An int4 for the SQL functions (migration 0011); bool is an int, but not a count.
+    if type(listeners) is not int or not 1 <= listeners <= 2**31 - 1:
+        errors.append(Error(
+            "DISTLOCK_LISTENING_WAITERS must be a whole number of at least 1.",
+            id="distlock.E005",
+        ))
     if (
         positive_seconds(conf.DEFAULT_TTL) and positive_seconds(conf.MAX_TTL)
         and conf.DEFAULT_TTL > conf.MAX_TTL

@@ -34,6 +34,10 @@ DEFAULTS: dict[str, Any] = {
     # PostgreSQL: a waiting acquire LISTENs and a release NOTIFYs it (see wakeups.py).
     # Turn off behind a transaction-pooling PgBouncer, which cannot keep a LISTEN.
     "DISTLOCK_WAKEUPS": True,
+    # PostgreSQL: a waiter that finds fewer than this many queued ahead of it LISTENs; a
+    # later one waits behind the one just ahead until it is the head (see wakeups.py and
+    # migration 0011). 1: only the head listens (0009's chain).
+    "DISTLOCK_LISTENING_WAITERS": 8,
     # PostgreSQL: prepare distlock's own statements once per database session, so the
     # server does not parse and plan every lock operation. Turn off behind a
     # transaction-pooling PgBouncer older than 1.21 (or with max_prepared_statements = 0).

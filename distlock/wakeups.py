@@ -14,13 +14,16 @@ queued, and the releasing process cannot win it back; the polling stays as the f
 for expiry (nobody notifies when a holder dies) and for anything that went wrong with a
 notification.
 
-Only the head of the queue (nobody live ahead of it) LISTENs. Each of the others waits
-on the entry lock of the waiter just ahead (``distlock_follow``), which PostgreSQL's lock
-manager grants, waking that one session, when the waiter ahead leaves the queue (granted,
-gave up, or its session ended); it then looks again, and becomes the head or waits behind
-the next one. PostgreSQL signals every listening backend of the database on each NOTIFY,
-so with every waiter listening a hand-off to one of 64 cost the CPU of 64 (0009's
-docstring, docs/performance.md "Only the head listens").
+A waiter that finds fewer than ``DISTLOCK_LISTENING_WAITERS`` (8) queued ahead of it, or
+nobody live, LISTENs. Each other one waits on the entry lock of the waiter just ahead
+(``distlock_follow``), which PostgreSQL's lock manager grants, waking that one session,
+when the waiter ahead leaves the queue (granted, gave up, or its session ended); it then
+looks again, and becomes the head or waits behind the next one. PostgreSQL signals every
+listening backend of the database on each NOTIFY, so with every waiter listening a
+hand-off to one of 64 cost the CPU of 64 (0009's docstring, docs/performance.md "Only
+the head listens"); with only the head listening each waiter behind it pays a statement
+more per grant, which a short queue need not (migration 0011). So a queue of up to 8
+runs with everyone listening, and a longer one turns into the chain as it moves.
 
 Elsewhere (MariaDB, SQLite, psycopg 2, wake-ups off) waiting is a plain sleep.
 
@@ -67,8 +70,10 @@ class Waiter:
         self.queued = ""
         # The entry whose advisory lock this session holds until it leaves (0: none).
         self.entry = 0
-        # Nobody live ahead: this waiter LISTENs (the others wait behind the one ahead).
+        # It LISTENs (fewer than `listeners` were queued ahead of it, or nobody live is
+        # ahead any more); the others wait behind the one just ahead.
         self.head = False
+        self.listeners = int(conf.LISTENING_WAITERS)
         # Did the lock look free once queued (freed before the entry could be seen)?
         self.free = False
         # Waiters queued ahead of this one when it queued (see queued_pause()).
@@ -79,7 +84,7 @@ class Waiter:
 
     def _queue(self, first: bool) -> bool:
         entry, free, self.ahead, self.head = db.run(
-            self.alias, "enqueue", self.name, first, self.entry
+            self.alias, "enqueue", self.name, first, self.entry, self.listeners
         )
         self.entry = int(entry)
         self.queued = str(entry)
@@ -136,10 +141,11 @@ class Waiter:
 
     def _follow(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the waiter ahead to leave the queue (it blocks on
-        that waiter's entry lock, so a queue of any length has one session listening).
-        True: go and try now (the time is up, or this waiter became the head and the lock
-        looks free or was handed to it); False: look again, the one ahead left (above
-        READ COMMITTED; in it, distlock_follow looks again itself)."""
+        that waiter's entry lock, so a long queue has one session listening, and at most
+        ``listeners`` while it was short). True: go and try now (the time is up, or this
+        waiter became the head and the lock looks free or was handed to it); False: look
+        again, the one ahead left (above READ COMMITTED; in it, distlock_follow looks again
+        itself)."""
         if seconds <= 0:
             return True
         wait_ms = min(max(math.ceil(seconds * 1000), 1), _MAX_WAIT_MS)

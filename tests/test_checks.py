@@ -49,6 +49,8 @@ def test_default_settings_pass():
         ("DISTLOCK_DEFAULT_TIMEOUT", -2), ("DISTLOCK_DEFAULT_TIMEOUT", True),
         ("DISTLOCK_WAKEUPS", "yes"), ("DISTLOCK_PREPARE_STATEMENTS", 1),
         ("DISTLOCK_DURABLE_RELEASE", "no"),
+        ("DISTLOCK_LISTENING_WAITERS", 0), ("DISTLOCK_LISTENING_WAITERS", 2.0),
+        ("DISTLOCK_LISTENING_WAITERS", True), ("DISTLOCK_LISTENING_WAITERS", 2**31),
         # Too large for a float, or for microseconds in a 64-bit integer: an error, not
         # an OverflowError from the check itself.
         ("DISTLOCK_MAX_TTL", 10**400), ("DISTLOCK_MAX_TTL", 1e300),

@@ -8,7 +8,7 @@ distlock_acquire on PostgreSQL to start new rows above it. 0005 indexes the owne
 rows, each vendor in its own form. 0006 makes the stored procedures of the lock
 operations on MariaDB/MySQL (nothing elsewhere). 0007 makes PostgreSQL's waiter queue
 and hand-off, 0008 indexes the rare audit event kinds, 0009 makes the chain PostgreSQL's
-waiters wait in (nothing elsewhere).
+waiters wait in (nothing elsewhere), 0011 lets the first few of them listen instead.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
-# Each server-side function of 0002 (and 0007, 0009) and its argument types, as pg_proc
-# lists them.
+# Each server-side function of 0002 (and 0007, 0009, 0011) and its argument types, as
+# pg_proc lists them.
 POSTGRESQL_FUNCTIONS = {
     "distlock_acquire": "text, text, text, bigint, bigint",
     "distlock_ahead": "text, bigint",
     "distlock_channel": "text",
-    "distlock_enqueue": "text, boolean, bigint",
+    "distlock_enqueue": "text, boolean, bigint, integer",
     "distlock_follow": "text, bigint, integer",
     "distlock_holds": "text, text, bigint",
     "distlock_leave": "text, bigint",
@@ -63,7 +63,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0010_postgresql_fewer_statements")
+LATEST = ("distlock", "0011_postgresql_first_waiters_listen")
 
 
 def tables() -> set[str]:
@@ -147,6 +147,40 @@ def test_0010_reversed_puts_back_the_bodies_it_replaced(migrated_back: None) -> 
     call_command("migrate", "distlock", verbosity=0)
     assert "(0010)" in acquire_source() and "(0010)" in release_source()
     lease = acquire("migrated-0010", ttl=30)
+    assert lease.release() is True
+
+
+def queue_sources() -> dict[str, tuple[str, str]]:
+    """The queue functions 0009 and 0011 define: name -> (argument types, body)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT proname, oidvectortypes(proargtypes), prosrc FROM pg_proc WHERE proname "
+            "IN ('distlock_ahead', 'distlock_enqueue', 'distlock_follow', 'distlock_leave')"
+        )
+        return {name: (args, source) for name, args, source in cursor.fetchall()}
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's functions")
+def test_0011_reversed_puts_back_0009s_chain(migrated_back: None) -> None:
+    """Reversed, 0011 leaves 0009's four functions, byte for byte, and no overload; a
+    waiter of 0009's (three arguments) is served by 0011's with 0009's rule."""
+    from distlock.migrations._postgresql import CHAIN_0009
+
+    chain = CHAIN_0009.split("$$")[1::2]
+    assert all("(0011)" not in body for body in chain)
+    assert [name for name, (_, source) in queue_sources().items()
+            if "(0011)" in source] == ["distlock_enqueue"]
+    call_command("migrate", "distlock", "0010", verbosity=0)
+    assert sorted(source for _, source in queue_sources().values()) == sorted(chain)
+    assert functions()["distlock_enqueue"] == "text, boolean, bigint"
+    call_command("migrate", "distlock", verbosity=0)
+    assert functions() == POSTGRESQL_FUNCTIONS
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT queued, head FROM distlock_enqueue('old-client', true, 0)")
+        queued, head = cursor.fetchone()
+        assert head is True
+        cursor.execute("SELECT distlock_leave('old-client', %s)", [queued])
+    lease = acquire("migrated-0011", ttl=30)
     assert lease.release() is True
 
 

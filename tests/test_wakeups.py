@@ -18,6 +18,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from distlock import aacquire, acquire, break_lock
+from distlock.conf import DEFAULTS
 from distlock.db import db_now_us
 from tests.support.helpers import run_async, us, wait_until
 
@@ -33,6 +34,8 @@ POLL = 6.0  # the waiter's pause: 3-6 s with jitter
 WAKEUP_CLASS = 1684825963
 QUEUE_CLASS = 1684825969  # distlock_queue's "someone is queued" (migration 0007)
 ENTRY_CLASS = 1684825957  # a queue entry's lock, held by its waiter (migration 0009)
+# How many of a queue's first waiters LISTEN by default (migration 0011); 1 is 0009's chain.
+LISTENERS = DEFAULTS["DISTLOCK_LISTENING_WAITERS"]
 
 
 def _raw():
@@ -153,43 +156,55 @@ def _behind(raw) -> dict[int, int]:
     )}
 
 
-def _chained(raw, name: str, pids: list[int]) -> bool:
-    """Are ``pids`` (live waiters, in queue order) a chain: the first waits for no entry,
-    each other one for the entry of the one just ahead of it?"""
+def _chained(raw, name: str, pids: list[int], listeners: int | None = 1) -> bool:
+    """Are ``pids`` (live waiters, in queue order, none gone yet) lined up as
+    DISTLOCK_LISTENING_WAITERS ``listeners`` (None: the default) lines them up: the first
+    ``listeners`` wait for no entry (they listen), each other one for the entry of the
+    one just ahead of it (with 1: a chain behind the head)?"""
+    k = LISTENERS if listeners is None else listeners
     entry = {pid: queued for queued, pid in _entries(raw, name)}
     behind = _behind(raw)
-    return pids[0] not in behind and all(
-        behind.get(pid) == entry.get(ahead) for ahead, pid in pairwise(pids))
+    return all(pid not in behind for pid in pids[:k]) and all(
+        behind.get(pid) == entry.get(ahead) for ahead, pid in pairwise(pids[k - 1:]))
 
 
 def _line_up(children, raw, name: str, count: int, grants: int,
              timeouts: dict[int, float] | None = None, lock_timeout: str = "",
-             poll: float | None = None) -> list:
+             poll: float | None = None, listeners: int | None = 1) -> list:
     """``count`` in_line workers, queued for ``name`` one after another (in that order),
-    each but the first waiting behind the one ahead of it; worker n's timeout is
-    ``timeouts[n]`` (default 120 s), and each session's own lock_timeout
-    ``lock_timeout`` (default: the server's) and DISTLOCK_POLL_MAX_INTERVAL ``poll``."""
+    lined up as :func:`_chained` says with DISTLOCK_LISTENING_WAITERS ``listeners``
+    (default 1: each but the first waits behind the one ahead of it; None: the setting's
+    default); worker n's timeout is ``timeouts[n]`` (default 120 s), and each session's
+    own lock_timeout ``lock_timeout`` (default: the server's) and
+    DISTLOCK_POLL_MAX_INTERVAL ``poll``."""
     workers = [children.start(IN_LINE, name, grants, (timeouts or {}).get(n, 120.0),
-                              lock_timeout, poll) for n in range(count)]
+                              lock_timeout, poll, listeners) for n in range(count)]
     pids = [worker.expect("ready", timeout=60)["backend_pid"] for worker in workers]
     for number, worker in enumerate(workers):
         worker.send("go")
         wait_until(lambda n=number: _queued(raw, name) == pids[: n + 1]
-                   and _chained(raw, name, pids[: n + 1]), 30,
+                   and _chained(raw, name, pids[: n + 1], listeners), 30,
                    f"waiter {number} queued behind the others")
     return workers
 
 
 @pytest.mark.processes
 @pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
-def test_each_release_wakes_one_waiter_and_they_are_served_in_turn(children):
+@pytest.mark.parametrize("listeners", [
+    pytest.param(1, id="chain"),
+    pytest.param(2, id="two-listen"),
+    pytest.param(None, id="all-listen"),
+])
+def test_each_release_wakes_one_waiter_and_they_are_served_in_turn(children, listeners):
     """6 waiting processes, 3 grants each: every release notifies one of them (never all),
-    the lock goes round in the order they queued, and tokens rise by one per grant."""
+    the lock goes round in the order they queued, and tokens rise by one per grant; with
+    only the head listening (a chain), the first two listening (and the four behind them
+    in a chain), or all six (the default, 8: a queue that short has no chain)."""
     count, grants = 6, 3
     holder = acquire("line", ttl=60)
     raw = _raw()
     try:
-        workers = _line_up(children, raw, "line", count, grants)
+        workers = _line_up(children, raw, "line", count, grants, listeners=listeners)
         assert holder.release() is True
         got = [(event["token"], number) for number, worker in enumerate(workers)
                for event in (worker.expect("acquired", timeout=60) for _ in range(grants))]
@@ -212,6 +227,9 @@ def test_each_release_wakes_one_waiter_and_they_are_served_in_turn(children):
     assert sum(notified) + waits["moved up"] <= 2 * releases, f"{waits}: more than 2 per release"
     polls = waits["waited"] + waits["timed out"]
     assert polls <= count * grants // 2, f"{waits}: the grants came by polling"
+    if listeners is None:
+        # A queue no longer than the listeners: nobody ever waited behind another.
+        assert waits["moved up"] == 0 and waits["head"] == 0, waits
     # First come, first served (a window that ran out under load may let one poller
     # ahead): while one waits, nobody else is served more than twice.
     order = [number for _, number in got]
@@ -395,6 +413,50 @@ def test_ctrl_c_behind_another_waiter_leaves_the_queue_clean(children):
     finally:
         raw.close()
     for worker in workers:
+        assert worker.finish() == 0
+
+
+# -- the seam: the first waiters listen, those further back wait in the chain (0011) -------
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+@pytest.mark.parametrize("gone", ["second killed", "second timed out", "third killed"])
+def test_a_waiter_past_the_listeners_moves_up_when_one_ahead_leaves(children, gone):
+    """Four waiters, DISTLOCK_LISTENING_WAITERS = 2: the first two listen, the third waits
+    on the second's entry and the fourth on the third's. The second leaves (SIGKILL, or
+    its 4 s timeout): the third, woken, now waits on the first, the live listener ahead of
+    it. Or the third is killed: the fourth now waits on the second. Either way the lock
+    goes round the three left in order, each woken, none by its poll."""
+    name = "seam-" + gone.replace(" ", "-")
+    leaver = 2 if gone == "third killed" else 1
+    survivors: list = []
+    holder = acquire(name, ttl=60)
+    raw = _raw()
+    try:
+        timeouts = {1: 4.0} if gone == "second timed out" else None
+        workers = _line_up(children, raw, name, 4, 1, timeouts, poll=POLL_OFF, listeners=2)
+        pids = _queued(raw, name)
+        entry = {pid: queued for queued, pid in _entries(raw, name)}
+        if gone == "second timed out":
+            assert workers[1].expect("timeout", timeout=60)["waited"] >= 4.0
+            assert _holds_nothing(raw, pids[1])
+        else:
+            workers[leaver].kill()
+            wait_until(lambda: raw.execute("SELECT count(*) FROM pg_stat_activity WHERE "
+                                           "pid = %s", [pids[leaver]]).fetchone()[0] == 0,
+                       30, "the session ended")
+        if leaver == 1:
+            expected = {pids[2]: entry[pids[0]], pids[3]: entry[pids[2]]}
+        else:
+            expected = {pids[3]: entry[pids[1]]}
+        wait_until(lambda: _behind(raw) == expected, 30,
+                   f"waiters behind the entries {expected}")
+        survivors = [worker for number, worker in enumerate(workers) if number != leaver]
+        _served_in_turn(holder, survivors)
+        wait_until(lambda: _queued(raw, name) == [], 30, "the queue emptied")
+    finally:
+        raw.close()
+    for worker in survivors + ([workers[1]] if gone == "second timed out" else []):
         assert worker.finish() == 0
 
 

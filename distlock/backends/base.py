@@ -377,12 +377,12 @@ class Backend(TokenFloorSQL, IndexSQL):
         return int(cursor.rowcount)
 
     def enqueue(
-        self, cursor: Any, name: str, first: bool, previous: int
+        self, cursor: Any, name: str, first: bool, previous: int, listeners: int
     ) -> tuple[int, bool, int, bool]:
         """Queue for a hand-off of ``name`` (where supports_wakeups()), the ``first``
         time in this wait or again (``previous``: the entry replaced): the entry's id,
         whether the lock looked free (try at once), how many are ahead, and whether this
-        is the head of the queue (the only one listening)."""
+        waiter listens (fewer than ``listeners`` ahead, or nobody live)."""
         raise NotImplementedError
 
     def follow(

@@ -186,16 +186,17 @@ class PostgreSQL(Backend):
         return [(name, int(sessions), who) for name, sessions, who in cursor.fetchall()]
 
     def enqueue(
-        self, cursor: Any, name: str, first: bool, previous: int
+        self, cursor: Any, name: str, first: bool, previous: int, listeners: int
     ) -> tuple[int, bool, int, bool]:
-        """Join the queue of ``name``'s waiters (migration 0009's ``distlock_enqueue``;
+        """Join the queue of ``name``'s waiters (migration 0011's ``distlock_enqueue``;
         the first time also the session's "alive" and "queued" advisory locks; a
         ``previous`` entry is given up): the entry's id, which a hand-off names, whether
         the lock looked free (worth a try at once), how many are ahead, and whether this
-        waiter is the head (only the head LISTENs)."""
+        waiter listens: fewer than ``listeners`` queued ahead of it, or nobody live."""
         cursor.execute(
-            "SELECT queued, free, ahead, head FROM distlock_enqueue(%s, %s, %s::bigint)",
-            [name, first, previous],
+            "SELECT queued, free, ahead, head "
+            "FROM distlock_enqueue(%s, %s, %s::bigint, %s::integer)",
+            [name, first, previous, listeners],
         )
         queued, free, ahead, head = cursor.fetchone()
         return int(queued), bool(free), int(ahead), bool(head)

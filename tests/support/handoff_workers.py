@@ -24,14 +24,15 @@ def _settings(connection: Any) -> dict[str, str]:
 
 
 def in_line(name: str, grants: int, timeout: float, lock_timeout: str = "",
-            poll: float | None = None) -> None:
+            poll: float | None = None, listeners: int | None = None) -> None:
     """After "go": ``grants`` times a blocking acquire of ``name``, released at once;
     "acquired" per grant; "done" with the notifications received and what ended the
     waits. An acquire that times out ("timeout", with the seconds it took and the
     session's timeouts) or is interrupted by SIGINT ("interrupted") ends the loop; the
     worker then keeps its session until stdin closes, for the test to look at it.
     ``lock_timeout``: the session's own, set first; ``poll``: DISTLOCK_POLL_MAX_INTERVAL
-    (a long one shows that nothing was left to the poll)."""
+    (a long one shows that nothing was left to the poll); ``listeners``:
+    DISTLOCK_LISTENING_WAITERS (None: the default)."""
     from django.db import connection
     from django.test.utils import override_settings
 
@@ -44,7 +45,12 @@ def in_line(name: str, grants: int, timeout: float, lock_timeout: str = "",
             cursor.execute("SELECT set_config('lock_timeout', %s, false)", [lock_timeout])
     emit("ready", backend_pid=connection.connection.info.backend_pid)
     command()
-    with override_settings(**({} if poll is None else {"DISTLOCK_POLL_MAX_INTERVAL": poll})):
+    overrides: dict[str, Any] = {}
+    if poll is not None:
+        overrides["DISTLOCK_POLL_MAX_INTERVAL"] = poll
+    if listeners is not None:
+        overrides["DISTLOCK_LISTENING_WAITERS"] = listeners
+    with override_settings(**overrides):
         _take_turns(connection, acquire, name, grants, timeout)
 
 
