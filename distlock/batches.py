@@ -70,9 +70,10 @@ def _run(
     alias: str, batch: Callable[[], tuple[int, bool]], done: int
 ) -> tuple[int, bool, bool]:
     """``batch()`` and whether it found the write lock taken; run again after a busy
-    timeout up to PURGE_BUSY_RETRIES times. Not in a caller's transaction: the failed
-    statement has spoilt it, and a retry would run outside the writes it was meant to
-    join; nor is the lock polled for there (the caller's transaction may hold it)."""
+    timeout up to PURGE_BUSY_RETRIES times. Not in a caller's transaction (atomic(), or
+    autocommit turned off): the failed statement has spoilt it, and a retry would run
+    outside the writes it was meant to join; nor is the lock polled for there (the
+    caller's transaction may hold it)."""
     failures = 0
     while True:
         connection = connections[alias]
@@ -86,7 +87,7 @@ def _run(
             return deleted, more, False
         except DatabaseError as exc:
             failures += 1
-            if connection.in_atomic_block or not backend.busy(exc):
+            if in_transaction(connection) or not backend.busy(exc):
                 raise
             if failures > PURGE_BUSY_RETRIES:
                 raise OperationalError(

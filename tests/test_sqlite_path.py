@@ -465,6 +465,26 @@ def test_a_purge_in_the_callers_transaction_is_not_run_again(holder, retries):
     assert LockEvent.objects.count() == 5
 
 
+def test_a_purge_with_autocommit_off_is_not_run_again(holder, retries):
+    """With autocommit turned off by hand the purge's statements join the caller's
+    transaction, as inside atomic(): the error goes to the caller at once, not after
+    batches run again (or polled for) outside it."""
+    _purge_rows_and_events()
+    blocker = holder()
+    try:
+        transaction.set_autocommit(False)
+        try:
+            with pytest.raises(OperationalError, match="locked"):
+                purge_events(older_than=0)
+            assert retries.count == 0
+        finally:
+            transaction.rollback()
+            transaction.set_autocommit(True)
+    finally:
+        blocker.commit()
+    assert LockEvent.objects.count() == 5
+
+
 def _busy_timeout_ms() -> int:
     with connection.cursor() as cursor:
         cursor.execute("PRAGMA busy_timeout")
