@@ -314,8 +314,6 @@ def configure(backends: list[str], sqlite_path: str) -> None:
     """Django settings: the benchmark databases of benchmarks/databases.py, with a 30 s
     busy timeout on SQLite (the tests' and the demo's) instead of run.py's 5 s: 50
     connections writing one file outlast 5 s on a loaded 2-core machine."""
-    import django
-    from django.conf import settings
 
     databases: dict[str, Any] = {}
     if "postgresql" in backends:
@@ -327,13 +325,7 @@ def configure(backends: list[str], sqlite_path: str) -> None:
         databases["sqlite"] = {**sqlite, "OPTIONS": {**sqlite["OPTIONS"], "timeout": 30}}
     databases.setdefault("default", databases["sqlite"] if "sqlite" in databases
                          else next(iter(databases.values())))
-    settings.configure(
-        DATABASES=databases, USE_TZ=True, SECRET_KEY="bench", DEBUG=False,
-        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "distlock",
-                        "benchmarks.benchapp"],
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-    )
-    django.setup()
+    dbs.setup_django(databases)
 
 
 def version(alias: str) -> str:

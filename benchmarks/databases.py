@@ -30,6 +30,22 @@ POOL = 1000
 BIG = 1_000_000
 
 
+def setup_django(databases: dict[str, Any], **settings_: Any) -> None:
+    """Configure Django for a benchmark of distlock and the bench app on ``databases``
+    (``settings_`` added to the common settings), and set it up."""
+    import django
+    from django.conf import settings
+
+    settings.configure(
+        DATABASES=databases, USE_TZ=True, SECRET_KEY="bench", DEBUG=False,
+        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "distlock",
+                        "benchmarks.benchapp"],
+        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        **settings_,
+    )
+    django.setup()
+
+
 def pool_names(size: int) -> list[str]:
     return [f"bench:{i:07d}" for i in range(size)]
 

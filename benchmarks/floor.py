@@ -160,19 +160,10 @@ class UpsertOnCopy(c.PgUpsert):
 
 
 def configure(suffix: str, transports: list[str]) -> None:
-    import django
-    from django.conf import settings
-
     databases = {t + extra: dbs.pg_settings(suffix, t)
                  for t in transports for extra in ("", "_fn", "_dl")}
     databases["default"] = dbs.pg_settings(suffix)
-    settings.configure(
-        DATABASES=databases, USE_TZ=True, SECRET_KEY="bench", DEBUG=False,
-        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "distlock",
-                        "benchmarks.benchapp"],
-        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-    )
-    django.setup()
+    dbs.setup_django(databases)
 
 
 def sql(statements: list[str]) -> list[Any]:

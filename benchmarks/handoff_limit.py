@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
-from benchmarks.harness import jain, percentile  # noqa: E402
+from benchmarks.harness import jain, percentile, reap  # noqa: E402
 
 NAME = "waited"
 KEY = 7_115_115  # the advisory scenario's lock key
@@ -388,11 +388,7 @@ def measure(kind: str, procs: int, conninfo: str, seconds: float,
         busy_end, total_end = _cpu_busy()
         reports = [queue.get(timeout=seconds + 300) for _ in workers]
     finally:
-        for worker in workers:
-            worker.join(timeout=120)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+        reap(workers, 120)
     errors = [r[1] for r in reports if isinstance(r[1], str)]
     if errors:
         raise SystemExit(f"{kind} x{procs}: a worker failed: {errors[0]}")
@@ -523,9 +519,7 @@ def floors(conninfo: str, count: int) -> list[tuple[str, str]]:
                     after_return.append(woken - returned)
             conn.execute("SELECT pg_notify('hl_probe', 'stop')")
         finally:
-            listener.join(timeout=30)
-            if listener.is_alive():
-                listener.kill()
+            reap([listener], 30)
         rows.append(("NOTIFY: sender's statement start -> listener's client has it",
                      _percentiles(sent)))
         rows.append(("NOTIFY: sender's statement returned -> listener's client has it",
@@ -558,16 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         parser.error(f"unknown kinds: {', '.join(sorted(unknown))}")
-    import django
-    from django.conf import settings
 
-    settings.configure(
-        DATABASES={"default": dbs.pg_settings(args.db_suffix, args.transport)},
-        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "distlock",
-                        "benchmarks.benchapp"],
-        USE_TZ=True, SECRET_KEY="bench", DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
-    )
-    django.setup()
+    dbs.setup_django({"default": dbs.pg_settings(args.db_suffix, args.transport)})
     dbs.create_pg(args.db_suffix)
     dbs.prepare("default", 1)
     conninfo = dbs.pg_conninfo(args.db_suffix, args.transport)

@@ -37,6 +37,16 @@ class Result:
     cpu_us: float  # client CPU (user + system) per granted cycle, mean over workers
 
 
+def reap(processes: list[Any], timeout: float) -> None:
+    """Join each of ``processes``; kill (and join) one still running after ``timeout`` s,
+    so a stuck worker ends the measurement instead of hanging it."""
+    for process in processes:
+        process.join(timeout=timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
@@ -139,10 +149,7 @@ def measure(contender: Contender, scenario: str, procs: int, seconds: float,
             index, report = queue.get(timeout=seconds + warmup + 120)
             reports[index] = report
     finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+        reap(workers, 30)
     errors = [r["error"] for r in reports.values() if "error" in r]
     if errors:
         raise WorkerFailed(f"{contender.label} / {scenario}:\n{errors[0]}")

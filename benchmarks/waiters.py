@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
-from benchmarks.harness import jain, percentile  # noqa: E402
+from benchmarks.harness import jain, percentile, reap  # noqa: E402
 from tests.support import notifications  # noqa: E402
 
 NAME = "waited"
@@ -114,11 +114,7 @@ def measure(kind: str, procs: int, hold: float, seconds: float, warmup: float) -
     try:
         reports = [queue.get(timeout=seconds + warmup + 300) for _ in workers]
     finally:
-        for worker in workers:
-            worker.join(timeout=120)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+        reap(workers, 120)
     errors = [r[1] for r in reports if isinstance(r[1], str)]
     if errors:
         raise SystemExit(f"{kind} x{procs}: a worker failed: {errors[0]}")
@@ -215,18 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.seconds, args.warmup, args.many = 1, 3.0, 0.5, 16
     SUFFIX = args.db_suffix
-    import django
-    from django.conf import settings
 
-    settings.configure(
-        DATABASES={"default": dbs.pg_settings(SUFFIX)},
-        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "distlock",
-                        "benchmarks.benchapp"],
-        USE_TZ=True, SECRET_KEY="bench", DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+    dbs.setup_django(
+        {"default": dbs.pg_settings(SUFFIX)},
         **({} if args.listening_waiters is None
            else {"DISTLOCK_LISTENING_WAITERS": args.listening_waiters}),
     )
-    django.setup()
     dbs.create_pg(SUFFIX)
     dbs.prepare("default", 1)
     scenarios = [("A", 8), ("distlock", 8), ("distlock", args.many)]

@@ -18,7 +18,7 @@ from distlock.db import db_now_us
 from distlock.exceptions import TransactionNotAllowed
 from distlock.models import Lock
 from distlock.wakeups import queued
-from tests.support.helpers import wait_until
+from tests.support.helpers import start_thread, wait_until
 from tests.support.pgbouncer import QUEUE_CLASS, WAKEUP_CLASS
 from tests.support.processes import LIBFAKETIME, skewed_clock_env
 
@@ -299,16 +299,12 @@ def test_a_blocking_acquire_queues_behind_a_pausing_thread_even_when_the_lock_is
     order: list[str] = []
 
     def wait() -> None:
-        try:
-            lease = acquire("turns-free", ttl=60, timeout=60)
-            assert lease is not None
-            order.append("queued first")
-            lease.release()
-        finally:
-            connections.close_all()
+        lease = acquire("turns-free", ttl=60, timeout=60)
+        assert lease is not None
+        order.append("queued first")
+        lease.release()
 
-    thread = threading.Thread(target=wait)
-    thread.start()
+    thread = start_thread(wait)
     try:
         wait_until(lambda: queued("default", "turns-free") == 1, 30, "a thread queued")
         # Free the row as a release from another process would: this process's queue is
@@ -332,14 +328,9 @@ def test_an_acquire_inside_atomic_is_refused_at_once_while_threads_queue(lock_db
     holder = acquire("turns-atomic", ttl=60)
     outcome: list[object] = []
 
-    def wait() -> None:
-        try:
-            outcome.append(acquire("turns-atomic", ttl=60, timeout=60))
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=wait)
-    thread.start()
+    thread = start_thread(
+        lambda: outcome.append(acquire("turns-atomic", ttl=60, timeout=60))
+    )
     try:
         wait_until(lambda: queued("default", "turns-atomic") == 1, 30, "a thread queued")
         started = time.monotonic()
@@ -361,11 +352,7 @@ def test_a_forked_child_does_not_inherit_the_queues(lock_db):
     process that locks) gets no copy of their queue: its own acquires of the name are
     not held behind threads it does not have."""
     holder = acquire("turns-fork", ttl=60)
-    thread = threading.Thread(
-        target=lambda: (acquire("turns-fork", ttl=60, timeout=60).release(),
-                        connections.close_all())
-    )
-    thread.start()
+    thread = start_thread(lambda: acquire("turns-fork", ttl=60, timeout=60).release())
     try:
         wait_until(lambda: queued("default", "turns-fork") == 1, 30, "a thread queued")
         read, write = os.pipe()

@@ -36,15 +36,14 @@ from django.db import migrations
 from distlock.migrations._postgresql import (
     ACQUIRE_0003,
     ACQUIRE_0007,
+    ALIVE,
     HANDOFF_WINDOW_US,
     NOW_US,
+    QUEUED,
     run_on_postgresql,
 )
 
 ACQUIRE = ACQUIRE_0007
-
-QUEUED = "1684825969, hashtext(p_name)"
-ALIVE = "1684825975, pg_backend_pid()"
 
 FUNCTIONS = f"""
 ALTER TABLE distlock_lock

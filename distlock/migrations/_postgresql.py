@@ -201,11 +201,14 @@ ACQUIRE_0007 = (
 )
 
 
+# The advisory locks a queued session holds (0007): "alive" while its session lives, and a
+# shared lock per name it queues for.
+ALIVE = "1684825975, pg_backend_pid()"
+QUEUED = "1684825969, hashtext(p_name)"
+
 # 0009's waiter chain (see 0009's docstring): distlock_ahead, distlock_enqueue,
 # distlock_follow and distlock_leave, which 0011 derives its versions from and puts back
 # when reversed.
-ALIVE = "1684825975, pg_backend_pid()"
-QUEUED = "1684825969, hashtext(p_name)"
 
 
 def entry(column: str) -> str:

@@ -85,6 +85,21 @@ def kill_other_sessions(alias: str = "default") -> None:
                 cursor.execute(f"KILL {int(session)}")
 
 
+def start_thread(work: Callable[[], object]) -> threading.Thread:
+    """Start ``work`` in a thread of its own, which closes its database connections when
+    it ends; the caller joins it."""
+
+    def target() -> None:
+        try:
+            work()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
 def run_with_deadline(body: Callable[[], T], seconds: float = 20.0) -> T:
     """Run ``body`` in a thread of its own (with its own connections); fail if it hangs.
 
