@@ -9,18 +9,21 @@ statements, and connections that are reused, or replaced once broken.
 
 from __future__ import annotations
 
+import select
+import signal
 import threading
 import time
 
 import pytest
-from django.db import DatabaseError, connection, connections
+from django.db import DatabaseError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 
 from distlock import LockLost, acquire, break_lock
 from distlock.backends import backend_for
-from distlock.backends.postgresql import _BoundCursor
+from distlock.backends.lean_cursor import LeanCursor
+from distlock.backends.pg_wire import WireCursor
 from distlock.models import Lock, TokenFloor
-from tests.support.helpers import wait_expired
+from tests.support.helpers import wait_expired, wait_until
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -71,9 +74,9 @@ def test_execute_wrappers_see_the_lock_statements():
 def test_the_lean_cursor_is_used_only_when_nobody_watches():
     connection.ensure_connection()
     backend = backend_for(connection)
-    assert isinstance(backend.statement_cursor(connection), _BoundCursor)
+    assert isinstance(backend.statement_cursor(connection), WireCursor)
     with CaptureQueriesContext(connection):
-        assert not isinstance(backend.statement_cursor(connection), _BoundCursor)
+        assert not isinstance(backend.statement_cursor(connection), LeanCursor)
 
 
 @postgresql_only
@@ -337,3 +340,80 @@ def test_a_release_commits_without_waiting_for_its_flush_unless_told(settings):
             assert cursor.fetchone() == (True, flag)
         cursor.execute("SHOW synchronous_commit")
         assert cursor.fetchone()[0] != "off"  # the session's setting is left alone
+
+
+@postgresql_only
+@pytest.mark.no_pooler("holds a row lock in its own transaction while a child waits")
+@pytest.mark.processes
+def test_ctrl_c_stops_a_lock_statement_that_waits_for_the_row(children):
+    """The wire cursor waits for its result as psycopg does, so SIGINT (Ctrl-C) reaches a
+    process whose acquire waits for a lock row another transaction holds: the statement
+    is cancelled on the server and the process ends, long before the row is let go. (A
+    blocking libpq call would hold both until the other transaction ended.)"""
+    acquire("interrupted", ttl=30).release()
+    waiter = children.start("wait_for", "interrupted", 30.0, 60.0)
+    pid = waiter.expect("ready", timeout=60)["backend_pid"]
+
+    def waits_for_the_row() -> bool:
+        with connection.cursor() as cursor:
+            # Read inside a transaction: without this, its first snapshot of the other
+            # sessions' state and query is read again each time.
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = "
+                "'Lock' AND query LIKE %s", [pid, "%distlock_acquire(%"],
+            )
+            return bool(cursor.fetchone()[0])
+
+    with transaction.atomic():
+        Lock.objects.select_for_update().get(name="interrupted")
+        waiter.send("go")
+        wait_until(waits_for_the_row, timeout=30, what="the child waiting for the lock row")
+        waiter.signal(signal.SIGINT)
+        assert waiter.proc.wait(timeout=30) == 1
+        ended = waiter.events.get(timeout=30)
+        assert ended is not None and "KeyboardInterrupt" in ended["error"]
+        wait_until(lambda: not waits_for_the_row(), timeout=30,
+                   what="the cancelled statement to stop waiting")
+        assert not Lock.objects.get(name="interrupted").owner
+
+
+@postgresql_only
+@pytest.mark.no_pooler("LISTENs on its own session")
+def test_a_notification_read_during_a_lock_statement_is_not_lost():
+    """A NOTIFY that reaches the session while distlock's statement runs is read from the
+    socket by that statement: it must still come out of ``notifies()`` afterwards, as it
+    would after any psycopg query."""
+    connection.ensure_connection()
+    raw = connection.connection
+    with connection.cursor() as cursor:
+        cursor.execute("LISTEN distlock_test_wire")
+    try:
+        other = connections.create_connection("default")
+        try:
+            with other.cursor() as cursor:
+                cursor.execute("NOTIFY distlock_test_wire, 'hello'")
+        finally:
+            other.close()
+        # Waits until the notification is in the socket, before distlock reads it.
+        assert select.select([raw.pgconn.socket], [], [], 30)[0], "no notification came"
+        lease = acquire("notified", ttl=30, blocking=False)
+        assert lease is not None and lease.release()
+        got = [n.payload for n in raw.notifies(timeout=5, stop_after=1)]
+        assert got == ["hello"]
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("UNLISTEN distlock_test_wire")
+
+
+@postgresql_only
+def test_the_wire_cursor_refuses_a_parameter_it_cannot_send():
+    """Only str, int, bool and None go out (distlock sends no others): anything else is a
+    TypeError before a byte is sent, and the cursor still works after it."""
+    connection.ensure_connection()
+    cursor = backend_for(connection).statement_cursor(connection)
+    assert isinstance(cursor, WireCursor)
+    with pytest.raises(TypeError, match="cannot send a float"):
+        cursor.execute("SELECT %s::text", [1.5])
+    cursor.execute("SELECT %s::bigint, %s, %s::boolean, %s::text", [2**62, "é ☃", True, None])
+    assert cursor.fetchone() == (2**62, "é ☃", True, None)

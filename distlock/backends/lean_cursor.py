@@ -66,6 +66,6 @@ class LeanCursor:
             return connection.cursor()
         connection.validate_thread_sharing()
         cursor: LeanCursor | None = getattr(connection, "_distlock_cursor", None)
-        if cursor is None or cursor.raw is not connection.connection:
+        if cursor is None or cursor.raw is not connection.connection or type(cursor) is not cls:
             cursor = connection._distlock_cursor = cls(connection)  # type: ignore[attr-defined]
         return cursor

@@ -3,8 +3,7 @@
 Acquire, renew and release are one statement each: the SQL functions of migration 0002
 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``) do the locking read and
 the conditional UPDATE on the server, so db.run() sends them in autocommit mode without
-BEGIN and COMMIT, through a psycopg cursor with server-side binding and prepared
-statements (:class:`_BoundCursor`).
+BEGIN and COMMIT, as prepared statements sent through libpq (:mod:`~distlock.backends.pg_wire`).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from distlock.backends import pg_collation
 from distlock.backends.base import Backend
 from distlock.backends.lean_cursor import LeanCursor
+from distlock.backends.pg_wire import WireCursor
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE, MAX_TOKEN
@@ -28,9 +28,6 @@ _RETRY_SQLSTATES = {"40001", "40P01"}
 # A row-lock wait ended by the session's lock_timeout (55P03 lock_not_available;
 # distlock never uses NOWAIT, the other source of it).
 _LOCK_WAIT_SQLSTATES = {"55P03"}
-# "prepared statement … does not exist" (26000) and "… already exists" (42P05).
-_LOST_PREPARED_SQLSTATES = {"26000", "42P05"}
-_NEVER_BY_COUNT = 2**62
 
 # Every server-side function distlock's migrations (0002, 0007, 0009, 0010) create and its
 # operations call, directly or from another of them: the doctor names any this session
@@ -68,54 +65,17 @@ def fence_trigger_name(table: str) -> str:
 
 
 class _BoundCursor(LeanCursor):
-    """A psycopg cursor with server-side binding and prepared statements.
-
-    Django's own PostgreSQL cursor binds parameters on the client (quoting them into the
-    SQL text); for a lock operation that is one short statement this is a measurable part
-    of the cost (see benchmarks/). With ``DISTLOCK_PREPARE_STATEMENTS`` (the default) each
-    of distlock's few statements is prepared at its first use on a database session, so
-    the server stops parsing and planning every call; with it False they are prepared as
-    the connection says (``OPTIONS["prepare_threshold"]``; Django's default prepares
-    nothing), which a transaction-pooling PgBouncer older than 1.21 needs.
-    """
+    """A psycopg cursor with server-side binding, prepared as the connection says
+    (``OPTIONS["prepare_threshold"]``; Django's default prepares nothing): the lean
+    cursor with ``DISTLOCK_PREPARE_STATEMENTS = False``, which a transaction-pooling
+    PgBouncer older than 1.21 needs. Django's own PostgreSQL cursor binds parameters on
+    the client (quoting them into the SQL text), a measurable part of a short
+    statement's cost (see benchmarks/)."""
 
     def open(self, raw: Any) -> Any:
         import psycopg
 
         return psycopg.Cursor(raw)
-
-    def execute(self, sql: str, params: Any = None) -> None:
-        with self.db.wrap_database_errors:
-            if not conf.PREPARE_STATEMENTS:
-                self.cursor.execute(sql, params)
-                return
-            try:
-                self._execute_prepared(sql, params)
-            except Exception as exc:
-                if getattr(exc, "sqlstate", None) not in _LOST_PREPARED_SQLSTATES:
-                    raise
-                # The session lost what psycopg prepared in it (DEALLOCATE ALL or DISCARD
-                # ALL behind psycopg's back). psycopg must forget it too, or every later
-                # call fails the same way; its clear() also deallocates everything after
-                # the next statement, so that one runs unprepared. Running it again is
-                # safe: it is its own transaction (autocommit) and failed before it ran.
-                self.raw._prepared.clear()
-                self.cursor.execute(sql, params, prepare=False)
-
-    def _execute_prepared(self, sql: str, params: Any) -> None:
-        # psycopg prepares nothing at all on a connection whose prepare_threshold is None
-        # (Django's default), even when asked to. A threshold no query reaches lets it
-        # prepare just this one; put back at once, so Django's own queries stay as they
-        # were (not counted, never prepared).
-        raw = self.raw
-        if raw.prepare_threshold is not None:
-            self.cursor.execute(sql, params, prepare=True)
-            return
-        raw.prepare_threshold = _NEVER_BY_COUNT
-        try:
-            self.cursor.execute(sql, params, prepare=True)
-        finally:
-            raw.prepare_threshold = None
 
 
 @functools.cache
@@ -161,10 +121,14 @@ class PostgreSQL(Backend):
         return sqlstate == "57014" and "statement timeout" in message
 
     def statement_cursor(self, connection: BaseDatabaseWrapper) -> Any:
-        """The lean cursor (:class:`_BoundCursor`) where psycopg 3 runs, as
-        :meth:`LeanCursor.reused` gives it."""
+        """The lean cursor where psycopg 3 runs, as :meth:`LeanCursor.reused` gives it:
+        the wire cursor (:mod:`~distlock.backends.pg_wire`, prepared statements sent
+        through libpq) or, with ``DISTLOCK_PREPARE_STATEMENTS = False``,
+        :class:`_BoundCursor`."""
         if not is_psycopg3():
             return connection.cursor()
+        if conf.PREPARE_STATEMENTS:
+            return WireCursor.reused(connection)
         return _BoundCursor.reused(connection)
 
     # -- wake-ups: LISTEN/NOTIFY (see wakeups.py) ----------------------------------------
