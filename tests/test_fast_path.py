@@ -22,6 +22,8 @@ from distlock import LockLost, acquire, break_lock
 from distlock.backends import backend_for
 from distlock.backends.lean_cursor import LeanCursor
 from distlock.backends.pg_wire import WireCursor
+from distlock.backends.postgresql import _BoundCursor
+from distlock.conf import conf
 from distlock.models import Lock, TokenFloor
 from tests.support.helpers import wait_expired, wait_until
 
@@ -74,7 +76,10 @@ def test_execute_wrappers_see_the_lock_statements():
 def test_the_lean_cursor_is_used_only_when_nobody_watches():
     connection.ensure_connection()
     backend = backend_for(connection)
-    assert isinstance(backend.statement_cursor(connection), WireCursor)
+    # The wire cursor prepares; with DISTLOCK_PREPARE_STATEMENTS off (an old pooler's
+    # setting) the lean cursor is psycopg's, which follows the connection's threshold.
+    lean = WireCursor if conf.PREPARE_STATEMENTS else _BoundCursor
+    assert type(backend.statement_cursor(connection)) is lean
     with CaptureQueriesContext(connection):
         assert not isinstance(backend.statement_cursor(connection), LeanCursor)
 
@@ -407,9 +412,11 @@ def test_a_notification_read_during_a_lock_statement_is_not_lost():
 
 
 @postgresql_only
-def test_the_wire_cursor_refuses_a_parameter_it_cannot_send():
+@pytest.mark.no_pooler("prepares statements on its own session")
+def test_the_wire_cursor_refuses_a_parameter_it_cannot_send(settings):
     """Only str, int, bool and None go out (distlock sends no others): anything else is a
     TypeError before a byte is sent, and the cursor still works after it."""
+    settings.DISTLOCK_PREPARE_STATEMENTS = True
     connection.ensure_connection()
     cursor = backend_for(connection).statement_cursor(connection)
     assert isinstance(cursor, WireCursor)
