@@ -375,7 +375,7 @@ def test_ctrl_c_stops_a_lock_statement_that_waits_for_the_row(children):
         waiter.send("go")
         wait_until(waits_for_the_row, timeout=30, what="the child waiting for the lock row")
         waiter.signal(signal.SIGINT)
-        assert waiter.proc.wait(timeout=30) == 1
+        assert waiter.proc.wait(timeout=15) == 1
         ended = waiter.events.get(timeout=30)
         assert ended is not None and "KeyboardInterrupt" in ended["error"]
         wait_until(lambda: not waits_for_the_row(), timeout=30,
