@@ -9,6 +9,7 @@ statements, and connections that are reused, or replaced once broken.
 
 from __future__ import annotations
 
+import enum
 import select
 import signal
 import threading
@@ -17,6 +18,7 @@ import time
 import pytest
 from django.db import DatabaseError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
+from django.utils.safestring import mark_safe
 
 from distlock import LockLost, acquire, break_lock
 from distlock.backends import backend_for
@@ -411,6 +413,10 @@ def test_a_notification_read_during_a_lock_statement_is_not_lost():
             cursor.execute("UNLISTEN distlock_test_wire")
 
 
+class Big(enum.IntEnum):
+    ONE = 1
+
+
 @postgresql_only
 @pytest.mark.no_pooler("prepares statements on its own session")
 def test_the_wire_cursor_refuses_a_parameter_it_cannot_send(settings):
@@ -424,3 +430,6 @@ def test_the_wire_cursor_refuses_a_parameter_it_cannot_send(settings):
         cursor.execute("SELECT %s::text", [1.5])
     cursor.execute("SELECT %s::bigint, %s, %s::boolean, %s::text", [2**62, "é ☃", True, None])
     assert cursor.fetchone() == (2**62, "é ☃", True, None)
+    # Subclasses go as their base type: a name may be Django's SafeString.
+    cursor.execute("SELECT %s::text, %s::bigint, %s::boolean", [mark_safe("safe"), Big.ONE, False])
+    assert cursor.fetchone() == ("safe", 1, False)

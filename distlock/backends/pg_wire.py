@@ -18,8 +18,9 @@ psycopg's exception classes (``psycopg.errors.error_from_result``), raised insid
 Django's ``wrap_database_errors``, so callers see what Django's cursor would raise.
 
 Parameters are sent as text: ``str`` as type "unknown" (the server infers it, as with
-psycopg's own ``str`` dumper), ``int`` as ``bigint``, ``bool`` as ``boolean``, None as
-NULL; other types are refused (distlock passes no others). Columns are read with the
+psycopg's own ``str`` dumper) in UTF-8, the ``client_encoding`` Django always connects
+with; ``int`` as ``bigint``, ``bool`` as ``boolean``, None as NULL; other types are
+refused (distlock passes no others). Columns are read with the
 connection's own psycopg loaders, so values are what psycopg's cursor would return.
 
 A session that lost the prepared statements (``DEALLOCATE ALL``, ``DISCARD ALL``, a
@@ -75,18 +76,25 @@ def _oid(value: Any) -> int:
     raise TypeError(f"distlock's wire cursor cannot send a {type(value).__name__}")
 
 
+# Each parameter as text, by its exact type (a lookup, not a chain of isinstance: these
+# run for every parameter of every lock operation).
+_DUMPERS: dict[type, Callable[[Any], bytes | None]] = {
+    str: str.encode,
+    int: lambda value: b"%d" % value,
+    bool: lambda value: b"t" if value else b"f",
+    type(None): lambda value: None,
+}
+
+
 def _text(value: Any) -> bytes | None:
-    if value is None:
-        return None
-    if value is True:
-        return b"t"
-    if value is False:
-        return b"f"
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, int):
-        return str(value).encode()
-    raise TypeError(f"distlock's wire cursor cannot send a {type(value).__name__}")
+    dump = _DUMPERS.get(type(value))
+    if dump is None:
+        # A subclass (a name given as Django's SafeString, a token as an IntEnum).
+        base = next((kind for kind in (bool, int, str) if isinstance(value, kind)), None)
+        if base is None:
+            raise TypeError(f"distlock's wire cursor cannot send a {type(value).__name__}")
+        dump = _DUMPERS[base]
+    return dump(value)
 
 
 class WireCursor(LeanCursor):
