@@ -26,7 +26,6 @@ from distlock.backends.results import Busy, Grant
 from distlock.conf import conf
 from distlock.constants import HOLDER_LENGTH
 from distlock.leases import Lease, logger
-from distlock.times import from_us
 from distlock.validation import (
     Seconds,
     check_name,
@@ -182,7 +181,7 @@ def grant_lease(request: Request, started: float, result: Grant) -> Lease:
         backend = backend_for(connections[alias])
     lease = Lease._granted(
         request.name, request.owner, result.token, using=alias, ttl=seconds,
-        expires_at=from_us(result.expires_us), acquired_at=from_us(result.acquired_us),
+        expires_us=result.expires_us, acquired_us=result.acquired_us,
         holder=request.description, deadline=started + seconds - backend.clock_resolution,
     )
     signals.lock_acquired.send(

@@ -30,6 +30,14 @@ logger = logging.getLogger("distlock")
 LostCallback = Callable[["Lease", BaseException | str], object]
 
 
+# A time as the database gave it (epoch microseconds), or already as a datetime.
+Moment = int | datetime | None
+
+
+def _moment(value: Moment) -> datetime | None:
+    return from_us(value) if isinstance(value, int) else value
+
+
 class Renewer(Protocol):
     """A lease's auto-renewal: a helper thread (sync API) or an asyncio task (async API)."""
 
@@ -61,27 +69,27 @@ class Lease:
     @classmethod
     def _granted(
         cls, name: str, owner: str, token: int, *, using: str, ttl: float,
-        expires_at: datetime, acquired_at: datetime, holder: str, deadline: float,
+        expires_us: int, acquired_us: int, holder: str, deadline: float,
     ) -> Lease:
         """The lease of a grant acquire() just got: every value was checked on the way in
         or comes from the database, so the public constructor's checks are skipped."""
         lease = cls.__new__(cls)
-        lease._set(name, owner, token, using, ttl, expires_at, acquired_at, holder, deadline)
+        lease._set(name, owner, token, using, ttl, expires_us, acquired_us, holder, deadline)
         return lease
 
     def _set(
         self, name: str, owner: str, token: int, using: str, ttl: float,
-        expires_at: datetime | None, acquired_at: datetime | None, holder: str,
-        deadline: float | None,
+        expires: Moment, acquired: Moment, holder: str, deadline: float | None,
     ) -> None:
         self.name = name
         self.owner = owner
         self.token = token
         self.using = using
         self.ttl = ttl
-        self.expires_at = expires_at
-        self.acquired_at = acquired_at
-        self.released_at: datetime | None = None
+        # Database microseconds until someone reads them as datetimes (see _moment).
+        self._expires = expires
+        self._acquired = acquired
+        self._released_at: Moment = None
         self.holder = holder
         # A lease built by hand (not by acquire) makes no claim to time left.
         self._deadline = time.monotonic() if deadline is None else deadline
@@ -89,6 +97,41 @@ class Lease:
         self._lost_reason: str | None = None
         self._released = False
         self._renewer: Renewer | None = None
+
+    # The grant's times as the database gave them (epoch microseconds), turned into aware
+    # datetimes when first read: most leases are released without anyone reading them,
+    # and three datetimes were a measurable part of a cycle's client CPU.
+
+    @property
+    def expires_at(self) -> datetime | None:
+        """When the lease ends by the database clock (as of the grant or last renewal)."""
+        self._expires = value = _moment(self._expires)
+        return value
+
+    @expires_at.setter
+    def expires_at(self, value: datetime | None) -> None:
+        self._expires = value
+
+    @property
+    def acquired_at(self) -> datetime | None:
+        """When the database granted the lease."""
+        self._acquired = value = _moment(self._acquired)
+        return value
+
+    @acquired_at.setter
+    def acquired_at(self, value: datetime | None) -> None:
+        self._acquired = value
+
+    @property
+    def released_at(self) -> datetime | None:
+        """When the database released it (None before the release, or if it was no longer
+        held then)."""
+        self._released_at = value = _moment(self._released_at)
+        return value
+
+    @released_at.setter
+    def released_at(self, value: datetime | None) -> None:
+        self._released_at = value
 
     def __repr__(self) -> str:
         return f"<Lease {self.name!r} token={self.token} owner={self.owner[:8]}…>"
@@ -148,7 +191,7 @@ class Lease:
             resolution = backend_for(connections[self.using]).clock_resolution
             self._deadline = started + seconds - resolution
             self.ttl = seconds
-            self.expires_at = from_us(result.expires_us)
+            self._expires = result.expires_us
         signals.lock_renewed.send(sender=Lease, lease=self)
 
     def release(self) -> bool:
@@ -189,7 +232,7 @@ class Lease:
         return await sync_to_async(self.release)()
 
     def _released_by_database(self, held: bool, released_us: int | None) -> None:
-        self.released_at = from_us(released_us)
+        self._released_at = released_us
         wakeups.poke(self.using, self.name)
         signals.lock_released.send(sender=Lease, lease=self, held=held)
 
