@@ -73,6 +73,19 @@ def test_each_call_leaves_the_connection_usable_and_no_transaction_open():
     assert not in_transaction()
 
 
+def test_calls_back_to_back_read_all_their_result_sets():
+    """distlock sends its CALLs on mysqlclient's connection, not through its cursor (whose
+    next statement would first drain whatever was left): each CALL must read its own
+    status result, or the very next CALL fails with "commands out of sync"."""
+    lease = acquire("back-to-back", ttl=30)
+    assert acquire("back-to-back", ttl=30, blocking=False) is None
+    lease.renew(ttl=30)
+    assert lease.release() is True
+    again = acquire("back-to-back", ttl=30, blocking=False)
+    assert again is not None and again.release() is True
+    assert connection.connection.next_result() == -1, "a result set was left unread"
+
+
 def test_a_call_is_one_statement_in_autocommit():
     with CaptureQueriesContext(connection) as captured:
         lease = acquire("one-call", ttl=30)

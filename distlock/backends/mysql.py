@@ -269,11 +269,50 @@ def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
 
 
 class _RawCursor(LeanCursor):
-    """mysqlclient's cursor, which also reads a CALL's further result sets (see _call)."""
+    """mysqlclient's connection itself, without its cursor: the statement, its parameters
+    quoted by the connection as mysqlclient's cursor quotes them (``literal``), is sent with
+    ``query``, and every result set of a CALL is read at once (the row, then the CALL's
+    status), so nothing is left behind to make the next statement fail with "commands out
+    of sync". Rows come through the connection's own converters, as the cursor's do. The
+    cursor's own bookkeeping per statement (description, last row id, its result object)
+    was about 30 µs of client CPU per acquire + release (docs/performance.md, "Third
+    round"). Like mysqlclient's cursor, ``query`` waits in C without the GIL."""
+
+    def open(self, raw: Any) -> Any:
+        self.rows: list[tuple[Any, ...]] = []
+        self.count = -1
+        self.encoding = raw.encoding
+        return None
+
+    def execute(self, sql: str, params: Any = None) -> None:
+        raw = self.raw
+        query = sql.encode(self.encoding)
+        if params:
+            query %= tuple([raw.literal(value) for value in params])
+        with self.db.wrap_database_errors:
+            self.rows = []
+            raw.query(query)
+            result = raw.store_result()
+            self.count = raw.affected_rows()
+            if result is not None:
+                self.rows = list(result.fetch_row(0))
+            while raw.next_result() == 0:
+                raw.store_result()
+
+    def fetchone(self) -> Any:
+        return self.rows.pop(0) if self.rows else None
+
+    def fetchall(self) -> Any:
+        rows, self.rows = self.rows, []
+        return rows
+
+    @property
+    def rowcount(self) -> int:
+        return self.count
 
     def nextset(self) -> Any:
-        with self.db.wrap_database_errors:
-            return self.cursor.nextset()
+        # execute() read them all.
+        return None
 
 
 def _autocommit(cursor: Any) -> bool:
