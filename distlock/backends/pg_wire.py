@@ -158,6 +158,11 @@ class WireCursor(LeanCursor):
     def _result(self) -> Any:
         """The last result of the statement just sent (an error's, if one failed)."""
         results = self.raw.wait(self._execute(self.pgconn))
+        if not results:
+            # No answer at all: the session is gone (psycopg's error, as its cursor's).
+            from psycopg import OperationalError
+
+            raise OperationalError(f"the connection is lost: {self.pgconn.error_message!r}")
         return results[-1]
 
     def _read(self, statement: Statement, result: Any) -> None:
