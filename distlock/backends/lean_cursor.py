@@ -69,3 +69,22 @@ class LeanCursor:
         if cursor is None or cursor.raw is not connection.connection or type(cursor) is not cls:
             cursor = connection._distlock_cursor = cls(connection)  # type: ignore[attr-defined]
         return cursor
+
+
+class ReadAtOnce(LeanCursor):
+    """A lean cursor whose ``execute`` reads the whole answer at once into ``rows`` and
+    ``count`` (PostgreSQL's wire cursor, MariaDB's CALLs): what the fetches then return."""
+
+    rows: list[tuple[Any, ...]]
+    count: int
+
+    def fetchone(self) -> Any:
+        return self.rows.pop(0) if self.rows else None
+
+    def fetchall(self) -> Any:
+        rows, self.rows = self.rows, []
+        return rows
+
+    @property
+    def rowcount(self) -> int:
+        return self.count

@@ -20,7 +20,7 @@ from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock.backends.base import Backend
-from distlock.backends.lean_cursor import LeanCursor
+from distlock.backends.lean_cursor import ReadAtOnce
 from distlock.backends.mysql_procedures import DROP, NOW_US, PROCEDURES, procedures_sql
 from distlock.backends.results import FAIL, OK, RENEW_REFUSED, WARN, Busy, Grant, exhausted
 from distlock.constants import EVENT_TABLE, LOCK_TABLE, MAX_TOKEN, OWNED_INDEX, RARE_EVENTS_INDEX
@@ -268,7 +268,7 @@ def _is_mariadb(connection: BaseDatabaseWrapper) -> bool:
     return bool(getattr(connection, "mysql_is_mariadb", False))
 
 
-class _RawCursor(LeanCursor):
+class _RawCursor(ReadAtOnce):
     """mysqlclient's connection itself, without its cursor: the statement, its parameters
     quoted by the connection as mysqlclient's cursor quotes them (``literal``), is sent with
     ``query``, and every result set of a CALL is read at once (the row, then the CALL's
@@ -299,16 +299,6 @@ class _RawCursor(LeanCursor):
             while raw.next_result() == 0:
                 raw.store_result()
 
-    def fetchone(self) -> Any:
-        return self.rows.pop(0) if self.rows else None
-
-    def fetchall(self) -> Any:
-        rows, self.rows = self.rows, []
-        return rows
-
-    @property
-    def rowcount(self) -> int:
-        return self.count
 
     def nextset(self) -> Any:
         # execute() read them all.

@@ -37,7 +37,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distlock.backends.lean_cursor import LeanCursor
+from distlock.backends.lean_cursor import ReadAtOnce
 
 # "prepared statement … does not exist" (26000) and "… already exists" (42P05).
 LOST_PREPARED_SQLSTATES = {"26000", "42P05"}
@@ -97,7 +97,7 @@ def _text(value: Any) -> bytes | None:
     return dump(value)
 
 
-class WireCursor(LeanCursor):
+class WireCursor(ReadAtOnce):
     """Runs distlock's statements on a psycopg 3 connection's libpq session (see the
     module's docstring). One per database session, like every lean cursor."""
 
@@ -191,13 +191,3 @@ class WireCursor(LeanCursor):
             loader = adapters.get_loader(_UNKNOWN, self._text_format)
         return loader(oid, self.raw).load  # type: ignore[no-any-return]
 
-    def fetchone(self) -> Any:
-        return self.rows.pop(0) if self.rows else None
-
-    def fetchall(self) -> Any:
-        rows, self.rows = self.rows, []
-        return rows
-
-    @property
-    def rowcount(self) -> int:
-        return self.count
