@@ -28,6 +28,7 @@ from distlock import (
     alock,
     alocked,
     apurge_locks,
+    async_wakeups,
     current_lease,
     signals,
 )
@@ -451,11 +452,19 @@ def test_a_release_wakes_async_waiters_through_one_shared_connection(settings):
 
     before = sessions()
 
+    def waiting_on(name):
+        """How many of this loop's coroutines wait for a wake-up of ``name`` (white-box)."""
+        listener = async_wakeups._listeners.get(asyncio.get_running_loop(), {}).get("default")
+        state = None if listener is None else listener.channels.get(name)
+        return 0 if state is None else len(state.waiting)
+
     async def body():
         holder = await aacquire("woken", ttl=60)
         waiters = [asyncio.create_task(aacquire("woken", ttl=60, timeout=50)) for _ in range(50)]
-        # Every waiter has tried and is waiting on the shared channel.
-        while await sync_to_async(sessions)() < before + 2:
+        # Every waiter has tried and is waiting on the shared channel. The LISTEN connection
+        # alone is not enough: a release before the waiters wait lets them all in by their
+        # own tries, and a release that wakes nobody would pass unseen.
+        while waiting_on("woken") < 50:
             await asyncio.sleep(0.01)
         during = await sync_to_async(sessions)()
         started = time.monotonic()
