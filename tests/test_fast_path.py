@@ -433,3 +433,28 @@ def test_the_wire_cursor_refuses_a_parameter_it_cannot_send(settings):
     # Subclasses go as their base type: a name may be Django's SafeString.
     cursor.execute("SELECT %s::text, %s::bigint, %s::boolean", [mark_safe("safe"), Big.ONE, False])
     assert cursor.fetchone() == ("safe", 1, False)
+
+
+@postgresql_only
+@pytest.mark.no_pooler("a SET on the session must stay on it")
+def test_the_wire_cursor_follows_a_client_encoding_set_on_the_session(settings):
+    """Code that runs ``SET client_encoding`` on Django's connection: the lock's name must
+    still reach the server as the same characters, or one name would be two locks."""
+    settings.DISTLOCK_PREPARE_STATEMENTS = True
+    name = "café-ü"
+    acquire(name, ttl=30).release()  # statements prepared and read in UTF-8 first
+    with connection.cursor() as cursor:
+        cursor.execute("SET client_encoding TO 'LATIN1'")
+    try:
+        lease = acquire(name, ttl=30, holder="holder é")
+        assert isinstance(backend_for(connection).statement_cursor(connection), WireCursor)
+        assert lease.holder.endswith(" holder é")
+        assert list(Lock.objects.values_list("name", "holder", "token")) == [
+            (name, lease.holder, lease.token)
+        ]
+        assert lease.token == 2
+        lease.release()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET client_encoding TO 'UTF8'")
+    assert acquire(name, ttl=30).token == 3

@@ -18,10 +18,13 @@ psycopg's exception classes (``psycopg.errors.error_from_result``), raised insid
 Django's ``wrap_database_errors``, so callers see what Django's cursor would raise.
 
 Parameters are sent as text: ``str`` as type "unknown" (the server infers it, as with
-psycopg's own ``str`` dumper) in UTF-8, the ``client_encoding`` Django always connects
-with; ``int`` as ``bigint``, ``bool`` as ``boolean``, None as NULL; other types are
-refused (distlock passes no others). Columns are read with the
-connection's own psycopg loaders, so values are what psycopg's cursor would return.
+psycopg's own ``str`` dumper) in the session's ``client_encoding``; ``int`` as ``bigint``,
+``bool`` as ``boolean``, None as NULL; other types are refused (distlock passes no
+others). Columns are read with the connection's own psycopg loaders, so values are what
+psycopg's cursor would return. Django connects in UTF-8, but code may ``SET
+client_encoding`` on the session later; psycopg follows that, and so does this cursor
+(it reads the session's encoding before each statement): a name sent in the wrong
+encoding would be another lock's name.
 
 A session that lost the prepared statements (``DEALLOCATE ALL``, ``DISCARD ALL``, a
 PgBouncer that moved the client) answers "prepared statement does not exist": they are
@@ -32,6 +35,7 @@ is not used (a PgBouncer older than 1.21 cannot keep prepared statements).
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import re
 from collections.abc import Callable, Sequence
@@ -86,14 +90,21 @@ _DUMPERS: dict[type, Callable[[Any], bytes | None]] = {
 }
 
 
-def _text(value: Any) -> bytes | None:
-    dump = _DUMPERS.get(type(value))
+def _dumpers(codec: str) -> dict[type, Callable[[Any], bytes | None]]:
+    """:data:`_DUMPERS` for a session whose client encoding is Python's ``codec``."""
+    if codecs.lookup(codec).name == "utf-8":
+        return _DUMPERS
+    return {**_DUMPERS, str: lambda value: value.encode(codec)}
+
+
+def _text(value: Any, dumpers: dict[type, Callable[[Any], bytes | None]]) -> bytes | None:
+    dump = dumpers.get(type(value))
     if dump is None:
         # A subclass (a name given as Django's SafeString, a token as an IntEnum).
         base = next((kind for kind in (bool, int, str) if isinstance(value, kind)), None)
         if base is None:
             raise TypeError(f"distlock's wire cursor cannot send a {type(value).__name__}")
-        dump = _DUMPERS[base]
+        dump = dumpers[base]
     return dump(value)
 
 
@@ -105,7 +116,9 @@ class WireCursor(ReadAtOnce):
         from psycopg import errors, generators, pq
 
         self.pgconn = raw.pgconn
-        self.encoding = raw.info.encoding
+        self.client_encoding: bytes | None = None
+        self.encoding = "utf-8"
+        self.dumpers = _DUMPERS
         self.statements: dict[str, Statement] = {}
         self.prepared: set[bytes] = set()
         self.rows: list[tuple[Any, ...]] = []
@@ -120,10 +133,12 @@ class WireCursor(ReadAtOnce):
     def execute(self, sql: str, params: Any = None) -> None:
         params = params or ()
         with self.db.wrap_database_errors:
+            if self.pgconn.parameter_status(b"client_encoding") != self.client_encoding:
+                self._follow_encoding()
             statement = self.statements.get(sql)
             if statement is None:
                 statement = self.statements[sql] = Statement(sql, params)
-            values = [_text(value) for value in params]
+            values = [_text(value, self.dumpers) for value in params]
             with self.raw.lock:
                 result = self._run(statement, values)
                 if result is None:
@@ -131,6 +146,14 @@ class WireCursor(ReadAtOnce):
                     self.prepared.clear()
                     result = self._run(statement, values, again=True)
             self._read(statement, result)
+
+    def _follow_encoding(self) -> None:
+        """Send and read text in the session's client encoding, as psycopg does."""
+        self.client_encoding = self.pgconn.parameter_status(b"client_encoding")
+        self.encoding = self.raw.info.encoding
+        self.dumpers = _dumpers(self.encoding)
+        for statement in self.statements.values():
+            statement.loaders = None  # psycopg's text loaders decode in the old encoding
 
     def _run(self, statement: Statement, values: list[bytes | None], again: bool = False) -> Any:
         """The statement's result, or None if the session had lost it (first try only)."""
