@@ -282,15 +282,21 @@ def part_python(suffix: str, transports: list[str], blocks: int, per: int) -> No
             row.close()
 
 
-def table(seen: dict[str, list[tuple[float, float, float]]], reference: str,
-          hot: dict[str, list[float]] | None = None) -> None:
-    print("| | cycles/s | × A | client CPU µs/cycle | × A | backend CPU µs/cycle | × A |"
+MEASURES = ("cycles/s", "client CPU µs/cycle", "backend CPU µs/cycle")
+
+
+def table(seen: dict[str, list[tuple[float, ...]]], reference: str,
+          hot: dict[str, list[float]] | None = None,
+          measures: tuple[str, ...] = MEASURES) -> None:
+    """One row per label: each of ``measures`` (the median of its runs), and the median
+    of its ratios to ``reference``'s run of the same turn."""
+    print("| |" + "".join(f" {measure} | × A |" for measure in measures)
           + (" HOT % |" if hot else ""))
-    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if hot else ""))
+    print("|---|" + "---:|---:|" * len(measures) + ("---:|" if hot else ""))
     ref = seen[reference]
     for label, runs in seen.items():
         cells = []
-        for i in range(3):
+        for i in range(len(measures)):
             cells.append(f"{statistics.median(r[i] for r in runs):,.0f}")
             ratio = statistics.median(m[i] / a[i] for m, a in zip(runs, ref, strict=True))
             cells.append(f"{ratio:.2f}")

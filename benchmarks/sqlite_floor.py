@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sqlite3
-import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from benchmarks import floor, run  # noqa: E402
 
 SHAPE = "bench_shape"
 OWNED_INDEX = "bench_shape_owned"
+MEASURES = ("cycles/s", "client CPU µs/cycle")
 NOW = "(CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) * 1000)"
 
 
@@ -142,8 +142,10 @@ def drop_owned_index(path: str) -> None:
     conn.close()
 
 
-def measure(rows: list[c.Contender], name: str, blocks: int, per: int) -> dict[str, Any]:
-    seen: dict[str, list[tuple[float, float]]] = {row.label: [] for row in rows}
+def measure(
+    rows: list[c.Contender], name: str, blocks: int, per: int
+) -> dict[str, list[tuple[float, ...]]]:
+    seen: dict[str, list[tuple[float, ...]]] = {row.label: [] for row in rows}
     for row in rows:
         row.connect()
         for _ in range(300):  # warm-up
@@ -159,19 +161,6 @@ def measure(rows: list[c.Contender], name: str, blocks: int, per: int) -> dict[s
     for row in rows:
         row.close()
     return seen
-
-
-def print_table(seen: dict[str, list[tuple[float, float]]]) -> None:
-    ref = next(iter(seen.values()))
-    print("| | cycles/s | × A | client CPU µs/cycle | × A |\n|---|---:|---:|---:|---:|")
-    for label, values in seen.items():
-        cells = []
-        for i in range(2):
-            cells.append(f"{statistics.median(v[i] for v in values):,.0f}")
-            ratio = statistics.median(v[i] / r[i] for v, r in zip(values, ref, strict=True))
-            cells.append(f"{ratio:.2f}")
-        print(f"| {label} | {' | '.join(cells)} |")
-    print()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             DistlockStatements(path, "distlock's statements, raw sqlite3"),
             c.Distlock("default", "distlock"),
         ]
-        print_table(measure(rows, name, args.blocks, args.per))
+        floor.table(measure(rows, name, args.blocks, args.per), rows[0].label, measures=MEASURES)
         drop_owned_index(path)
         print("Without the owned-rows index (on the copy, and on distlock_lock):\n")
         with sqlite3.connect(path, isolation_level=None) as conn:
@@ -215,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             AOnShape(path, "A's statements on the copy, no owned-rows index"),
             DistlockStatements(path, "distlock's statements, no owned-rows index"),
         ]
-        print_table(measure(rows, name, args.blocks, args.per))
+        floor.table(measure(rows, name, args.blocks, args.per), rows[0].label, measures=MEASURES)
         print(f"load average {floor.load()} at the end")
     return 0
 
