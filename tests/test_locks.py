@@ -70,6 +70,36 @@ def test_names_compare_exactly():
     assert sorted(Lock.objects.values_list("name", flat=True)) == sorted(names)
 
 
+# Characters that mean something to SQL, to a driver's placeholders or to an escaper.
+SQL_NAMES = ["it's", 'say "hi"', "back\\slash\\", "%s %% %(x)s", "semi; -- colon", "\u2603 ☃"]
+
+
+@pytest.mark.parametrize("escapes", ["default", "no_backslash_escapes"])
+def test_names_with_sql_characters_are_the_same_lock_in_every_operation(escapes):
+    """Each backend sends names its own way (PostgreSQL's wire cursor as parameters,
+    MariaDB's CALLs as escaped literals, SQLite's ``?``): the name stored, refused to a
+    second acquire, renewed and released must be the one given, on a MariaDB session with
+    NO_BACKSLASH_ESCAPES too."""
+    if escapes == "no_backslash_escapes":
+        if connection.vendor != "mysql":
+            pytest.skip("a MariaDB/MySQL session setting")
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION sql_mode = CONCAT(@@sql_mode, ',NO_BACKSLASH_ESCAPES')")
+    try:
+        leases = [acquire(name, ttl=30, blocking=False) for name in SQL_NAMES]
+        assert all(lease is not None for lease in leases)
+        assert sorted(Lock.objects.values_list("name", flat=True)) == sorted(SQL_NAMES)
+        for name, lease in zip(SQL_NAMES, leases, strict=True):
+            assert acquire(name, ttl=30, blocking=False) is None
+            lease.renew(ttl=60)
+            assert Lock.objects.get(name=name).renew_count == 1
+            assert lease.release() is True
+        assert not Lock.objects.exclude(owner="").exists()
+    finally:
+        if escapes == "no_backslash_escapes":
+            connection.close()  # the next test's session starts with the server's sql_mode
+
+
 def test_renew_extends_and_keeps_the_token():
     lease = acquire("r", ttl=1)
     before = lease.expires_at
