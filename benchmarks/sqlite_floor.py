@@ -4,7 +4,7 @@
     python benchmarks/sqlite_floor.py                     # 20 blocks of 300 cycles per row
     python benchmarks/sqlite_floor.py --blocks 10 --per 500
 
-One process, a name of its own, acquire → release cycles of five rows in short blocks in
+One process, a name of its own, acquire → release cycles of the rows below in short blocks in
 turn (so the machine's load moves all rows alike), on one SQLite file in WAL mode, as
 ``run.py`` sets it up (``databases.sqlite_settings``):
 
@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import contenders as c  # noqa: E402
 from benchmarks import databases as dbs  # noqa: E402
 from benchmarks import floor, run  # noqa: E402
+from distlock.backends.sqlite import NOW  # noqa: E402 - distlock's clock in µs
 
 SHAPE = "bench_shape"
 OWNED_INDEX = "bench_shape_owned"
 MEASURES = ("cycles/s", "client CPU µs/cycle")
-NOW = "(CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) * 1000)"
 
 
 class _Raw(c.Contender):
@@ -95,9 +95,8 @@ class DistlockStatements(_Raw):
         from distlock.backends import sqlite as backend
 
         super().connect()
-        now = backend.NOW
-        self.ACQUIRE = backend._qmark(backend._render(backend._GRANT_FREE, now))
-        self.RELEASE = backend._qmark(backend._render(backend._RELEASE, now))
+        self.ACQUIRE = backend._qmark(backend._render(backend._GRANT_FREE, NOW))
+        self.RELEASE = backend._qmark(backend._render(backend._RELEASE, NOW))
 
     def try_acquire(self, name: str) -> Any:
         from distlock.constants import MAX_TOKEN
@@ -136,9 +135,15 @@ def make_shape(path: str, name: str) -> None:
     conn.close()
 
 
-def drop_owned_index(path: str) -> None:
+def drop_owned_indexes(path: str) -> None:
+    """Drop the owned-rows index of the copy and of ``distlock_lock`` (migration 0005's)."""
     with sqlite3.connect(path, isolation_level=None) as conn:
         conn.execute(f"DROP INDEX IF EXISTS {OWNED_INDEX}")
+        (index,) = conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' "
+            "AND tbl_name = 'distlock_lock' AND sql LIKE '%WHERE%'"
+        ).fetchone()
+        conn.execute(f'DROP INDEX "{index}"')
     conn.close()
 
 
@@ -190,15 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             c.Distlock("default", "distlock"),
         ]
         floor.table(measure(rows, name, args.blocks, args.per), rows[0].label, measures=MEASURES)
-        drop_owned_index(path)
+        drop_owned_indexes(path)
         print("Without the owned-rows index (on the copy, and on distlock_lock):\n")
-        with sqlite3.connect(path, isolation_level=None) as conn:
-            (index,) = conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'index' "
-                "AND tbl_name = 'distlock_lock' AND sql LIKE '%WHERE%'"
-            ).fetchone()
-            conn.execute(f'DROP INDEX "{index}"')
-        conn.close()
         rows = [
             c.SqliteUpsert(path),
             AOnShape(path, "A's statements on the copy, no owned-rows index"),
