@@ -108,7 +108,10 @@ def acquire(
     # later than the one the database computes.
     started = time.monotonic()
     result: Grant | Busy | None = None
-    if not (blocking and has_queue(request.alias, request.name)):
+    # A blocking acquire that finds threads of this process waiting for the name joins
+    # their queue without a try of its own, so it cannot overtake them; timeout=0 is one
+    # try, like blocking=False (it could not wait for a turn anyway).
+    if not (blocking and request.wait != 0 and has_queue(request.alias, request.name)):
         result = grants.try_once(request)
         if not blocking and isinstance(result, Busy):
             grants.gives_up(request, None)

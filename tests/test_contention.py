@@ -10,7 +10,7 @@ import time
 import pytest
 from django.db import connections, transaction
 
-from distlock import acquire, db
+from distlock import acquire, db, lock
 from distlock.backends import backend_for
 from distlock.conf import conf
 from distlock.constants import LOCK_TABLE as TABLE
@@ -319,6 +319,41 @@ def test_a_blocking_acquire_queues_behind_a_pausing_thread_even_when_the_lock_is
         thread.join(60)
     assert not thread.is_alive()
     assert order == ["queued first", "came later"], "the later acquire barged past the queue"
+
+
+@pytest.mark.parametrize("form", ["acquire", "lock"])
+def test_timeout_zero_makes_its_one_try_while_a_thread_of_the_process_waits(
+    lock_db, settings, form
+):
+    """``timeout=0`` is one try, like ``blocking=False``: a free lock is had at once even
+    while another thread of the process waits for the name (before, a blocking call that
+    found the in-process queue skipped its try and waited 0 s for its turn, so
+    ``acquire`` returned None and ``lock`` raised LockTimeout). The waiting thread's
+    pause is long and wake-ups are off, so it cannot take the lock first."""
+    settings.DISTLOCK_POLL_INTERVAL = 30.0
+    settings.DISTLOCK_POLL_MAX_INTERVAL = 30.0
+    settings.DISTLOCK_WAKEUPS = False
+    holder = acquire("turns-zero", ttl=60)
+    got: list[object] = []
+    thread = start_thread(lambda: got.append(acquire("turns-zero", ttl=60, timeout=60)))
+    try:
+        wait_until(lambda: queued("default", "turns-zero") == 1, 30, "a thread queued")
+        # Freed as another process would free it: the waiting thread is not told.
+        held, _ = db.run("default", "release", holder.name, holder.owner, holder.token)
+        assert held
+        if form == "acquire":
+            lease = acquire("turns-zero", ttl=60, timeout=0)
+            assert lease is not None and lease.token == holder.token + 1
+            assert lease.release() is True
+        else:
+            with lock("turns-zero", ttl=60, timeout=0) as lease:
+                assert lease.token == holder.token + 1
+        assert queued("default", "turns-zero") == 1, "the waiting thread left the queue"
+    finally:
+        thread.join(60)
+    assert not thread.is_alive()
+    assert got and got[0] is not None
+    got[0].release()
 
 
 def test_an_acquire_inside_atomic_is_refused_at_once_while_threads_queue(lock_db):

@@ -567,3 +567,136 @@ def test_an_async_waiter_gets_a_stopped_waiters_lock_only_when_the_window_ends(c
     finally:
         raw.close()
     assert waiter.finish() == 0
+
+
+# -- the edges (issue 27): a session's own timeouts, and a stopped waiter anywhere ---------
+
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiter queues on a session of its own")
+@pytest.mark.parametrize("setting", ["lock_timeout", "statement_timeout"])
+def test_a_session_timeout_while_joining_the_queue_counts_as_busy_and_leaves_nothing(setting):
+    """Another transaction holds the lock row (any operation in flight); the waiter's
+    session has a 200 ms ``lock_timeout`` or ``statement_timeout``. Joining the queue
+    reads the row FOR SHARE, which runs into it: the acquire goes on as busy and gives up
+    at its own timeout, raising nothing, and the session keeps no advisory lock, no queue
+    row and no LISTEN (before 0012 it raised and kept three advisory locks)."""
+    holder = acquire("edgy", ttl=60)
+    raw = _raw()
+    try:
+        raw.execute("BEGIN")
+        raw.execute("SELECT 1 FROM distlock_lock WHERE name = 'edgy' FOR UPDATE")
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET {setting} = '200ms'")
+        try:
+            assert acquire("edgy", ttl=30, timeout=1.0) is None
+            pid = connection.connection.info.backend_pid
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_listening_channels()")
+                assert cursor.fetchone()[0] == 0
+            other = _raw()
+            try:
+                assert _holds_nothing(other, pid)
+            finally:
+                other.close()
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute(f"RESET {setting}")
+        raw.execute("COMMIT")
+        assert holder.release() is True
+    finally:
+        raw.close()
+
+
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiter queues on a session of its own")
+def test_every_step_of_the_queue_gives_its_locks_back_when_cut_short():
+    """The database functions of the queue, each cut short by the session's own
+    lock_timeout while another transaction holds the lock row: ``distlock_enqueue``
+    returns entry 0 (a first call, and a call that queues again, which also gives up its
+    previous entry), ``distlock_follow`` says "waited", ``distlock_leave`` leaves all the
+    same; and after each the session holds exactly what it should."""
+    holder = acquire("cut", ttl=60)
+    raw = _raw()
+    waiter = _raw()
+    pid = waiter.info.backend_pid
+    owned = ("SELECT classid::bigint, mode FROM pg_locks WHERE locktype = 'advisory' "
+             "AND pid = %s AND granted ORDER BY 1, 2")
+    try:
+        queued = waiter.execute(
+            "SELECT queued FROM distlock_enqueue('cut', true, 0, 1)").fetchone()[0]
+        assert queued > 0
+        assert {c for c, _ in raw.execute(owned, [pid])} == {ENTRY_CLASS, QUEUE_CLASS,
+                                                              1684825975}
+        raw.execute("BEGIN")
+        raw.execute("SELECT 1 FROM distlock_lock WHERE name = 'cut' FOR UPDATE")
+        waiter.execute("SET lock_timeout = '100ms'")
+        # Queueing again, cut short: the new entry and the previous one are both gone.
+        again = waiter.execute(
+            "SELECT queued, free FROM distlock_enqueue('cut', false, %s, 1)", [queued]
+        ).fetchone()
+        assert again == (0, False)
+        assert {c for c, _ in raw.execute(owned, [pid])} == {QUEUE_CLASS, 1684825975}
+        # Leaving (entry 0 now) while the row is held: it leaves all the same.
+        waiter.execute("SELECT distlock_leave('cut', 0)")
+        assert _holds_nothing(raw, pid)
+        assert waiter.execute("SELECT count(*) FROM pg_listening_channels()").fetchone()[0] == 0
+        # A first call cut short takes nothing.
+        first = waiter.execute(
+            "SELECT queued FROM distlock_enqueue('cut', true, 0, 1)").fetchone()[0]
+        assert first == 0 and _holds_nothing(raw, pid)
+        raw.execute("COMMIT")
+        # distlock_follow behind a live entry, cut by the session's statement_timeout.
+        ahead = _raw()
+        try:
+            ahead.execute("SELECT distlock_enqueue('cut', true, 0, 1)")
+            waiter.execute("RESET lock_timeout")
+            mine = waiter.execute(
+                "SELECT queued, head FROM distlock_enqueue('cut', true, 0, 1)").fetchone()
+            assert mine[0] > 0 and mine[1] is False
+            waiter.execute("SET statement_timeout = '150ms'")
+            status = waiter.execute(
+                "SELECT status FROM distlock_follow('cut', %s, 60000)", [mine[0]]
+            ).fetchone()[0]
+            assert status == "waited"
+            assert (ENTRY_CLASS, "ShareLock") not in set(raw.execute(owned, [pid]))
+            waiter.execute("RESET statement_timeout")
+            waiter.execute("SELECT distlock_leave('cut', %s)", [mine[0]])
+            assert _holds_nothing(raw, pid)
+        finally:
+            ahead.close()
+        assert holder.release() is True
+    finally:
+        waiter.close()
+        raw.close()
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_stopped_waiter_deep_in_the_queue_idles_the_lock_for_at_most_window_and_poll(
+    children,
+):
+    """Six queued waiters (a chain behind the first), the fifth SIGSTOPped: the lock goes
+    down the queue, is handed to the stopped one, and once its window ends the one
+    behind it gets the lock within DISTLOCK_POLL_MAX_INTERVAL (2 s here), wherever it
+    stands in the queue (before, a waiter behind n others polled n + 1 times as seldom:
+    10-17 s idle with 20 ahead)."""
+    poll = 2.0
+    holder = acquire("deep", ttl=60)
+    raw = _raw()
+    try:
+        workers = _line_up(children, raw, "deep", 6, 1, poll=poll)
+        pids = _queued(raw, "deep")
+        workers[4].signal(signal.SIGSTOP)
+        assert holder.release() is True
+        for worker in workers[:4]:
+            worker.expect("acquired", timeout=60)
+        reserved_pid, until_us = wait_until(
+            lambda: (found := _reservation(raw, "deep"))[0] == pids[4] and found, 30,
+            "the stopped waiter is handed the lock")
+        got = workers[5].expect("acquired", timeout=60)
+        idle = (got["acquired_us"] - until_us) / 1e6
+        assert idle <= poll + 0.3, f"the lock was free and unreserved for {idle:.2f} s"
+        workers[4].signal(signal.SIGCONT)
+        assert workers[4].expect("acquired", timeout=60)["token"] > got["token"]
+    finally:
+        raw.close()
+    for worker in workers:
+        assert worker.finish() == 0
