@@ -156,8 +156,34 @@ def gives_up(request: Request, left: float | None) -> bool:
     return True
 
 
+_warned_mixed = False
+
+
+def warn_mixed_wakeups(busy: Busy) -> None:
+    """Warn once per process when a polling waiter finds a lock handed to a queued one.
+
+    A release with waiters queued by processes whose ``DISTLOCK_WAKEUPS`` is on reserves
+    the lock for the oldest of them, so a process that polls (wake-ups off, e.g. behind
+    PgBouncer) is refused every time while the queue lasts: 0 grants in 29 s beside four
+    queued processes with about 125 each (issue 27, item 5). distlock does not make such
+    a mix fair; every process using a lock database must share the setting
+    (docs/deployment.md), and this says so where the starving happens.
+    """
+    global _warned_mixed
+    if _warned_mixed or conf.WAKEUPS or not busy.handed_over:
+        return
+    _warned_mixed = True
+    logger.warning(
+        "a waiting acquire polls (DISTLOCK_WAKEUPS = False) while other processes queue "
+        "with wake-ups on: every release hands the lock to one of them, and this process "
+        "may wait until its timeout. Give DISTLOCK_WAKEUPS the same value in every process "
+        "that uses the lock database (docs/deployment.md)."
+    )
+
+
 def pause_before_retry(attempt: int, busy: Busy, left: float | None) -> float:
     """Jittered exponential back-off, never past the deadline or the holder's expiry."""
+    warn_mixed_wakeups(busy)
     base = float(conf.POLL_INTERVAL) * (2 ** min(attempt, 20))
     pause: float = min(float(conf.POLL_MAX_INTERVAL), base) * random.uniform(0.5, 1.0)
     # Wake just after the holder's lease ends: it is free then even if never released.

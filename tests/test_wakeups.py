@@ -700,3 +700,41 @@ def test_a_stopped_waiter_deep_in_the_queue_idles_the_lock_for_at_most_window_an
         raw.close()
     for worker in workers:
         assert worker.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiter queues on a session of its own")
+def test_a_polling_process_beside_queued_ones_is_told_it_starves(
+    children, settings, caplog, monkeypatch
+):
+    """A process with DISTLOCK_WAKEUPS = False waits beside one queued with wake-ups on:
+    the release hands the lock to the queued one (here SIGSTOPped, so the reservation
+    lasts its window), the poller's tries are refused, and it logs once that the setting
+    must be the same in every process; distlock_doctor's probe sees the queued session
+    from the polling process. (distlock does not make the mix fair: issue 27, item 5.)"""
+    from distlock import grants
+    from distlock.backends.pg_pooler import mixed_wakeups_finding
+
+    monkeypatch.setattr(grants, "_warned_mixed", False)
+    holder = acquire("mixed", ttl=60)
+    raw = _raw()
+    try:
+        (waiter,) = _line_up(children, raw, "mixed", 1, 1)
+        settings.DISTLOCK_WAKEUPS = False
+        finding = mixed_wakeups_finding(connection)
+        assert finding is not None and finding[0] == "warn" and "1 session" in finding[1]
+        waiter.signal(signal.SIGSTOP)
+        assert holder.release() is True
+        with caplog.at_level("WARNING", logger="distlock"):
+            lease = acquire("mixed", ttl=30, timeout=30)  # the window ends unclaimed
+        assert lease is not None
+        starving = [r for r in caplog.records if "DISTLOCK_WAKEUPS = False" in r.message]
+        assert len(starving) == 1, [r.message for r in caplog.records]
+        waiter.signal(signal.SIGCONT)
+        assert lease.release() is True
+        assert waiter.expect("acquired", timeout=60)["token"] == lease.token + 1
+        settings.DISTLOCK_WAKEUPS = True
+        assert mixed_wakeups_finding(connection) is None
+    finally:
+        raw.close()
+    assert waiter.finish() == 0

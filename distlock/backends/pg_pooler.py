@@ -78,8 +78,41 @@ def probe_pooler(connection: BaseDatabaseWrapper) -> tuple[str | None, bool | No
         return evidence, strays
 
 
+# Sessions that wait in distlock's queue with wake-ups on hold this advisory lock
+# (migration 0007's "queued", 1684825969, one per name they wait for).
+_QUEUED_SESSIONS = (
+    "SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' "
+    "AND classid = 1684825969 AND granted AND pid <> pg_backend_pid() AND database = "
+    "(SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+def mixed_wakeups_finding(connection: BaseDatabaseWrapper) -> tuple[str, str] | None:
+    """WARN if this process polls (DISTLOCK_WAKEUPS = False) while sessions of others wait
+    in the queue with wake-ups on: a release hands the lock to one of those, so the
+    pollers starve (issue 27, item 5). Only what is seen now: run it under load."""
+    if conf.WAKEUPS:
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(_QUEUED_SESSIONS)
+        queued = int(cursor.fetchone()[0])
+    if not queued:
+        return None
+    return (WARN, f"DISTLOCK_WAKEUPS is False here, but {queued} session(s) wait in "
+                  "distlock's queue with wake-ups on: releases hand the lock to them and "
+                  "this process's waiting acquires starve. Give DISTLOCK_WAKEUPS the same "
+                  "value in every process that uses this database.")
+
+
 def pooler_findings(connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
     """distlock_doctor's lines on connection pooling, with the settings it needs."""
+    mixed = mixed_wakeups_finding(connection)
+    if mixed is not None:
+        return [mixed, *_pooling(connection)]
+    return _pooling(connection)
+
+
+def _pooling(connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
     if not is_psycopg3():
         return [(OK, "psycopg 2: no wake-ups and no prepared statements (nothing a "
                      "transaction pooler could strand); pooling not probed")]

@@ -38,6 +38,12 @@ class Busy:
     holder: str
     remaining_us: int | None
 
+    @property
+    def handed_over(self) -> bool:
+        """PostgreSQL: nobody holds the lock, but a release reserved it for a waiter
+        queued with wake-ups on (the hand-off window; a grant always names its holder)."""
+        return not self.holder and self.remaining_us is not None
+
 
 RENEW_REFUSED = {
     "missing": "the lock row no longer exists",
