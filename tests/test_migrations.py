@@ -63,7 +63,7 @@ PRE_RELEASE = [
 ]
 
 
-LATEST = ("distlock", "0011_postgresql_first_waiters_listen")
+LATEST = ("distlock", "0012_postgresql_queue_cleanup")
 
 
 def tables() -> set[str]:
@@ -182,6 +182,23 @@ def test_0011_reversed_puts_back_0009s_chain(migrated_back: None) -> None:
         cursor.execute("SELECT distlock_leave('old-client', %s)", [queued])
     lease = acquire("migrated-0011", ttl=30)
     assert lease.release() is True
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's functions")
+def test_0012_reversed_puts_back_0011s_queue_and_forwards_cleans_up(migrated_back: None) -> None:
+    """Reversed, 0012 leaves 0011's distlock_enqueue and 0009's distlock_follow and
+    distlock_leave, byte for byte; forwards, its three bodies are the ones in use."""
+    from importlib import import_module
+
+    cleanup = import_module("distlock.migrations.0012_postgresql_queue_cleanup")
+    queue = ("distlock_enqueue", "distlock_follow", "distlock_leave")
+    call_command("migrate", "distlock", "0011", verbosity=0)
+    assert sorted(queue_sources()[name][1] for name in queue) == sorted(
+        cleanup.BACKWARDS.split("$$")[1::2])
+    call_command("migrate", "distlock", verbosity=0)
+    assert sorted(queue_sources()[name][1] for name in queue) == sorted(
+        cleanup.FUNCTIONS.split("$$")[1::2])
+    assert functions() == POSTGRESQL_FUNCTIONS
 
 
 def test_token_floor_starts_at_the_largest_token_of_an_existing_table(
