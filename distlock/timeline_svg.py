@@ -22,7 +22,12 @@ RIGHT = 24
 TOP = 30  # time labels
 LANE_H = 46
 BAR_H = 18
-LEGEND_H = 34
+LEGEND_ROW = 18  # one row of the legend; it wraps to as many rows as it needs
+LEGEND_PAD = 16
+#: A text's width in px at the picture's 11 px, estimated on the wide side (DejaVu Sans,
+#: the fallback of many Linux machines, is wider than most system fonts), so that a label
+#: placed by its estimate never runs past the picture's edge.
+CHAR_W, WIDE_CHAR_W = 7.0, 9.0
 
 _STYLE = """
 .distlock-timeline{color:var(--body-fg,currentColor);font:11px/1.2 var(--font-family-primary,
@@ -63,6 +68,10 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _text_w(text: str) -> float:
+    return sum(WIDE_CHAR_W if c.isupper() or c in "mw" else CHAR_W for c in text)
+
+
 def _clock(at_us: int, tz: tzinfo, precise: bool = True) -> str:
     local = from_us(at_us).astimezone(tz)
     return local.strftime("%H:%M:%S.%f")[:-3] if precise else local.strftime("%H:%M:%S")
@@ -89,7 +98,9 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
     """The SVG markup of ``timeline``; tick labels and tooltips in time zone ``tz``."""
     axis = _Axis(timeline)
     lanes = timeline.lanes or (Lane("", (), ()),)
-    height = TOP + LANE_H * len(lanes) + LEGEND_H
+    bottom = TOP + LANE_H * len(lanes)
+    legend, legend_h = _legend(timeline, bottom)
+    height = bottom + legend_h
     title = label or timeline.title or "lock timeline"
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="distlock-timeline" '
@@ -98,7 +109,7 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
         f'data-end-us="{timeline.end_us}">',
         f"<title>{_a(title)}</title><style>{_STYLE}</style>",
     ]
-    out += _grid(axis, tz, height, timeline.now_us)
+    out += _grid(axis, tz, bottom, timeline.now_us)
     for row, lane in enumerate(lanes):
         out += _lane(axis, lane, TOP + row * LANE_H, tz)
     if timeline.empty:
@@ -118,7 +129,7 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
             f'y2="{TOP + LANE_H * len(lanes)}"/><text x="{x}" y="{TOP - 8}" '
             f'text-anchor="end" dx="-3" class="dl-quiet">now</text></g>'
         )
-    out += _legend(timeline, height - LEGEND_H + 18)
+    out += legend
     out.append("</svg>")
     return "".join(out)
 
@@ -132,10 +143,9 @@ def _later(us: int) -> str:
     return f"{int(seconds)} s"
 
 
-def _grid(axis: _Axis, tz: tzinfo, height: int, now_us: int | None) -> list[str]:
+def _grid(axis: _Axis, tz: tzinfo, bottom: int, now_us: int | None) -> list[str]:
     step, ticks = axis.ticks()
     out = ['<g class="dl-axis">']
-    bottom = height - LEGEND_H
     now_x = None if now_us is None else (axis.right - 70 if now_us > axis.end
                                           else axis.x(now_us))
     for at in ticks:
@@ -143,7 +153,10 @@ def _grid(axis: _Axis, tz: tzinfo, height: int, now_us: int | None) -> list[str]
         text = _clock(at, tz, precise=step < 1)
         out.append(f'<line class="dl-grid" x1="{x}" x2="{x}" y1="{TOP - 4}" y2="{bottom}"/>')
         if now_x is None or not now_x - 70 < x < now_x + 40:  # "now …" has that place
-            out.append(f'<text x="{x}" y="{TOP - 10}" text-anchor="middle">{_a(text)}</text>')
+            # Centred on its line, or ending at it where the centred label would run past
+            # the picture's right edge (a tick at the axis' end).
+            anchor = "end" if x + _text_w(text) / 2 > WIDTH - 2 else "middle"
+            out.append(f'<text x="{x}" y="{TOP - 10}" text-anchor="{anchor}">{_a(text)}</text>')
     day = from_us(axis.start).astimezone(tz)
     out.append(
         f'<text x="4" y="{TOP - 10}" class="dl-quiet">{_a(day.strftime("%Y-%m-%d"))} '
@@ -262,16 +275,16 @@ def _symbol(kind: str, x: float, y: float) -> str:
         return (f'<path class="dl-x" d="M{x - 6} {y - 6}l12 12M{x + 6} {y - 6}l-12 12"/>')
     if kind == "lost":
         return (f'<circle class="dl-mark dl-orange" cx="{x}" cy="{y}" r="6"/>'
-                f'<text x="{x}" y="{y + 4}" text-anchor="middle" style="fill:#fff;'
-                'font-weight:700">!</text>')
+                f'<text class="dl-glyph" x="{x}" y="{y + 4}" text-anchor="middle" '
+                'style="fill:#fff;font-weight:700">!</text>')
     if kind == "stale_write":
         return (f'<circle class="dl-mark dl-red" cx="{x}" cy="{y}" r="8"/>'
                 f'<path d="M{x - 3.5} {y - 3.5}l7 7M{x + 3.5} {y - 3.5}l-7 7" '
                 'style="stroke:#fff;stroke-width:2"/>')
     if kind == STALE_WRITE_ACCEPTED:
         return (f'<path class="dl-mark dl-red" d="M{x} {y - 10}l9 16h-18z"/>'
-                f'<text x="{x}" y="{y + 4}" text-anchor="middle" style="fill:#fff;'
-                'font-weight:700">!</text>')
+                f'<text class="dl-glyph" x="{x}" y="{y + 4}" text-anchor="middle" '
+                'style="fill:#fff;font-weight:700">!</text>')
     if kind == "released":
         return f'<circle class="dl-mark dl-ink" cx="{x}" cy="{y}" r="3"/>'
     return f'<circle class="dl-mark dl-ink" cx="{x}" cy="{y}" r="4"/>'
@@ -280,43 +293,51 @@ def _symbol(kind: str, x: float, y: float) -> str:
 _LEGEND = [
     ("bar", "released", "grant (token), released"),
     ("bar", "expired", "lease ran out"),
-    ("bar", "broken", "broken"),
+    ("bar", "broken", "broken"),  # with the break's mark on it when both are drawn
     ("bar", "held", "held now"),
     ("tail", "", "holder still acting"),
     ("took_over", "", "expired take-over"),
     ("stale_write", "", "stale write refused"),
     (STALE_WRITE_ACCEPTED, "", "stale write ACCEPTED"),
     ("lost", "", "lease lost"),
-    ("broken", "", "broken"),
+    ("broken", "", "broken"),  # only without a broken bar: one key per word
     ("renewed", "", "renewed"),
 ]
 
 
-def _legend(timeline: Timeline, y: int) -> list[str]:
-    """A key to the symbols this picture uses (only those)."""
+def _legend(timeline: Timeline, top: int) -> tuple[list[str], int]:
+    """A key to the symbols this picture uses (only those, each once), in rows that wrap
+    inside the picture's width; returns the markup and its height."""
     bars = [bar for lane in timeline.lanes for bar in lane.bars]
     used = {("bar", bar.ended) for bar in bars} | {
         (mark.kind, "") for lane in timeline.lanes for mark in lane.marks
     }
     if any(bar.acted_until_us is not None for bar in bars):
         used.add(("tail", ""))
+    broken_mark = ("broken", "") in used
+    if ("bar", "broken") in used:
+        used.discard(("broken", ""))
     out = ['<g class="dl-legend">']
-    x = 8.0
+    x, y = 8.0, top + LEGEND_ROW
     for kind, css, text in _LEGEND:
         if (kind, css) not in used:
             continue
+        symbol_w = 20 if kind not in ("bar", "tail") else 22
+        if x > 8 and x + symbol_w + _text_w(text) > WIDTH - 8:
+            x, y = 8.0, y + LEGEND_ROW
+        out.append(f'<g class="dl-key" data-key="{_a(kind)}{"-" + _a(css) if css else ""}">')
         if kind == "bar":
             out.append(f'<g class="dl-bar dl-bar-{css}"><rect x="{x}" y="{y - 9}" '
                        'width="18" height="10" rx="2"/></g>')
-            x += 22
+            if css == "broken" and broken_mark:
+                out.append(_symbol("broken", x + 9, y - 4))
         elif kind == "tail":
             out.append(f'<line class="dl-tail" x1="{x}" x2="{x + 18}" y1="{y - 4}" '
                        f'y2="{y - 4}"/>')
-            x += 22
         else:
             out.append(_symbol(kind, x + 8, y - 4))
-            x += 20
-        out.append(f'<text x="{x}" y="{y}">{_a(text)}</text>')
-        x += 6.2 * len(text) + 14
+        x += symbol_w
+        out.append(f'<text x="{x}" y="{y}">{_a(text)}</text></g>')
+        x += _text_w(text) + 14
     out.append("</g>")
-    return out
+    return out, y - top + LEGEND_PAD

@@ -21,7 +21,7 @@ from django.contrib.auth.models import Permission
 from django.db import connection
 from django.test import Client
 
-from distlock import LockLost, acquire
+from distlock import LockLost, StaleToken, acquire
 from distlock.audit import record
 from distlock.models import Lock, LockEvent
 from tests.support.browser import (
@@ -239,16 +239,19 @@ def admin_shots() -> Path:
     return folder
 
 
-def open_as(chromium: BrowserThread, user: Any, url: str, *, dark: bool = False) -> Any:
-    """A fresh page at 1366 x 900, logged in as ``user`` by its session cookie (no login
-    form: the form is the other test's business and costs a page load)."""
+def open_as(
+    chromium: BrowserThread, user: Any, url: str, *, dark: bool = False,
+    viewport: dict[str, int] | None = None,
+) -> Any:
+    """A fresh page at 1366 x 900 (or ``viewport``), logged in as ``user`` by its session
+    cookie (no login form: the form is the other test's business and costs a page load)."""
     client = Client()
     client.force_login(user)
     cookie = client.cookies[settings.SESSION_COOKIE_NAME].value
 
     def work(browser: Any, sync_api: Any) -> Any:
         context = browser.new_context(
-            viewport=VIEWPORT, color_scheme="dark" if dark else "light"
+            viewport=viewport or VIEWPORT, color_scheme="dark" if dark else "light"
         )
         # For the whole site: a cookie set by a page's URL is sent below its path only.
         site = "/".join(url.split("/")[:3]) + "/"
@@ -426,3 +429,221 @@ def test_break_button_only_for_those_who_may_break(
     assert Lock.objects.get(name="button:held").is_free
     with pytest.raises(LockLost):
         lease.renew()
+
+
+# --- the admin's own breadcrumbs, and the pictures' text inside the pictures ------------
+
+CRUMBS = """() => {
+    const crumbs = document.querySelector(".breadcrumbs");
+    const style = getComputedStyle(crumbs);
+    const link = crumbs.querySelector("a");
+    return {
+        tag: crumbs.tagName.toLowerCase(), background: style.backgroundColor,
+        padding: style.padding, color: style.color, link: getComputedStyle(link).color,
+        links: [...crumbs.querySelectorAll("a")].map(a => a.getAttribute("href")),
+        text: crumbs.innerText.replace(/\\s+/g, " ").trim(),
+    };
+}"""
+
+
+def test_breadcrumbs_take_the_admins_own_style(
+    chromium, live_server, admin_user, lock_db, settings, admin_shots
+):
+    """The break confirmation, Overview and Timeline pages write their breadcrumbs as the
+    running Django's admin writes its own (a ``div`` up to 6.0, an ``ol`` from 6.1), so
+    they get the same bar as a stock page: the background, padding and colours of the
+    lock list's breadcrumbs, not the page's bare text."""
+    settings.DISTLOCK_AUDIT = True
+    acquire("crumbs:held", ttl=600, holder="someone")
+    locks = f"{live_server.url}/admin/distlock/lock/"
+    page = open_as(chromium, admin_user, locks)
+    try:
+        def crumbs(browser: Any, api: Any) -> dict[str, dict[str, Any]]:
+            api.expect(page.locator("#result_list")).to_be_visible()
+            got = {"stock": page.evaluate(CRUMBS)}
+            page.goto(f"{locks}overview/")
+            api.expect(page.locator("#distlock-held")).to_contain_text("crumbs:held")
+            got["Overview"] = page.evaluate(CRUMBS)
+            page.goto(f"{locks}timeline/?name=crumbs:held")
+            api.expect(page.locator("svg.distlock-timeline")).to_be_visible()
+            got["Timeline"] = page.evaluate(CRUMBS)
+            page.goto(f"{locks}crumbs:held/change/")
+            page.click("#distlock-break-button")
+            api.expect(page.locator("h1")).to_have_text("Break locks?")
+            got["Break locks"] = page.evaluate(CRUMBS)
+            page.screenshot(path=str(admin_shots / "break-confirmation-1366-light.png"))
+            return got
+
+        got = chromium.run(crumbs)
+    finally:
+        close(chromium, page)
+    stock = got.pop("stock")
+    assert stock["background"] not in ("rgba(0, 0, 0, 0)", "transparent"), stock
+    for here, crumb in got.items():
+        assert crumb["tag"] == stock["tag"], (here, crumb, stock)
+        for look in ("background", "padding", "color", "link"):
+            assert crumb[look] == stock[look], (here, look, crumb, stock)
+        assert crumb["links"] == ["/admin/", "/admin/distlock/", "/admin/distlock/lock/"]
+        assert crumb["text"].endswith(here), crumb
+    assert Lock.objects.get(name="crumbs:held").owner  # only looked at: nothing broken
+
+
+TEXTS = """() => [...document.querySelectorAll("svg.distlock-timeline")].map(svg => {
+    const box = svg.getBoundingClientRect();
+    const own = t => [...t.childNodes].filter(n => n.nodeType === 3)
+        .map(n => n.data).join("");
+    const texts = [...svg.querySelectorAll("text")].map(t => {
+        const r = t.getBoundingClientRect();
+        return {text: own(t), left: r.left - box.left, right: box.right - r.right,
+                top: r.top - box.top, bottom: box.bottom - r.bottom};
+    });
+    return {
+        count: texts.length, width: box.width,
+        outside: texts.filter(t => Math.min(t.left, t.right, t.top, t.bottom) < -0.5),
+        // The legend's labels (not the "!" drawn inside a symbol).
+        legend: [...svg.querySelectorAll(".dl-legend text:not(.dl-glyph)")].map(own),
+        crosses: svg.querySelectorAll(".dl-legend .dl-x").length,
+    };
+})"""
+
+PHONE = {"width": 390, "height": 844}
+
+
+@pytest.fixture
+def every_kind(lock_db, settings) -> list[str]:
+    """Three locks whose pictures use every symbol of the admin's legend: a grant taken
+    over after its lease ran out, its holder's refused write, a renewal and a release; a
+    grant broken by an operator, whose holder then finds it lost; one held now."""
+    from distlock.locks import break_lock
+    from distlock.testing import take_over
+    from tests.testapp.models import Account
+
+    settings.DISTLOCK_AUDIT = True
+    account = Account.objects.create(balance=1)
+    story = f"account:{account.pk}"
+    old = acquire(story, ttl=30, holder="paused-worker")
+    new = take_over(old, ttl=30, holder="next-worker")
+    account.balance = 2
+    with pytest.raises(StaleToken):
+        account.save(fence=old)
+    new.renew(ttl=30)
+    assert new.release() is True
+    broken = acquire("legend:broken-by-an-operator", ttl=600, holder="w-broken")
+    assert break_lock(broken.name, by="ops (admin)") is True
+    with pytest.raises(LockLost):
+        broken.renew()
+    acquire(LONG_NAME, ttl=600, holder=LONG_HOLDER)
+    return [story, broken.name, LONG_NAME]
+
+
+def _report_html() -> str:
+    """The demo's report (its own code, demo_project/bank/report.py) of a fenced and an
+    unfenced run of 2.8 s whose axis ends on a half second: the last time label is drawn
+    at the picture's right edge. The events are those the demo's workers record."""
+    from dataclasses import dataclass
+    from datetime import UTC, datetime
+
+    from demo_project.bank import report
+    from distlock.timeline import expiry_detail
+    from distlock.times import from_us
+
+    @dataclass(frozen=True)
+    class Attempt:  # the fields of demo_project.bank.models.Attempt the report reads
+        token: int
+        worker: str
+        outcome: str
+        taken_over_by: int | None = None
+        wrote_us: int | None = None
+        wrote_balance: int | None = None
+
+    s = 1_000_000
+    # 11:28:44.630 to 11:28:47.430: the axis (padded by a 40th) ends at 11:28:47.500.
+    start = int(datetime(2026, 12, 3, 11, 28, 44, tzinfo=UTC).timestamp()) * s + 630_000
+
+    def grant(at: float, token: int, worker: str, kind: str = "acquired") -> LockEvent:
+        at_us = start + round(at * s)
+        return LockEvent(at_us=at_us, kind=kind, name=lock, token=token, holder=worker,
+                         detail=expiry_detail(from_us(at_us + s // 2)))
+
+    def event(at: float, kind: str, token: int, worker: str, detail: str = "") -> LockEvent:
+        return LockEvent(at_us=start + round(at * s), kind=kind, name=lock, token=token,
+                         holder=worker, detail=detail)
+
+    pictures, results = {}, {}
+    for mode in ("fenced", "unfenced"):
+        lock = f"account:1:{mode}"
+        events = [
+            grant(0, 2, "worker-1"), event(0.3, "released", 2, "worker-1"),
+            grant(0.4, 3, "worker-2"), grant(1.0, 4, "worker-1", "took_over"),
+            event(1.3, "released", 4, "worker-1"), grant(1.8, 5, "worker-2"),
+            event(2.8, "released", 5, "worker-2"),
+        ]
+        attempts = [Attempt(2, "worker-1", "written"), Attempt(4, "worker-1", "written"),
+                    Attempt(5, "worker-2", "written")]
+        if mode == "fenced":
+            events.append(event(1.5, "stale_write", 3, "worker-2",
+                                "bank.Account: write with token 3 refused (row token 4)"))
+            attempts.append(Attempt(3, "worker-2", "refused"))
+        else:
+            attempts.append(Attempt(3, "worker-2", "written", taken_over_by=4,
+                                    wrote_us=start + round(1.5 * s), wrote_balance=2))
+        pictures[mode] = report.mode_picture(lock, events, attempts, base=1)
+        lost = 0 if mode == "fenced" else 1
+        results[mode] = {
+            "lock": lock, "grants": 4, "stalled": [(3, 0.7, 4)], "complete": True,
+            "stale_writes_refused": [(3, 4)] if mode == "fenced" else [],
+            "stale_writes_accepted": [] if mode == "fenced" else [(3, 4)],
+            "final": 4 - lost, "expected": 4, "lost_updates": lost,
+            "first_token": 2, "last_token": 5, "seconds": 2.8,
+        }
+    assert "11:28:47.500" in pictures["fenced"]  # the label at the right edge
+    return report.html({"run": "20261203-112844"}, results, pictures, "Two workers.")
+
+
+@pytest.mark.parametrize("viewport", [VIEWPORT, PHONE], ids=["1366", "phone"])
+def test_every_text_of_the_pictures_lies_inside_them(
+    chromium, live_server, admin_user, every_kind, admin_shots, viewport
+):
+    """On a lock's page, the timeline of several locks and the demo's report, every text
+    of every picture lies inside its SVG (no label cut at an edge), and the legend names
+    each symbol once."""
+    width = viewport["width"]
+    story, *_ = every_kind
+    locks = f"{live_server.url}/admin/distlock/lock/"
+    several = f"{locks}timeline/?" + "&".join(f"name={n}" for n in every_kind)
+    report = _report_html()
+    page = open_as(chromium, admin_user, f"{locks}{story}/change/", viewport=viewport)
+    try:
+        def texts(browser: Any, api: Any) -> dict[str, list[dict[str, Any]]]:
+            svg = page.locator("svg.distlock-timeline")
+            api.expect(svg).to_be_visible()
+            got = {"lock page": page.evaluate(TEXTS)}
+            page.goto(several)
+            api.expect(svg.locator("g[data-lane]")).to_have_count(3)
+            got["several locks"] = page.evaluate(TEXTS)
+            page.locator("svg.distlock-timeline").screenshot(
+                path=str(admin_shots / f"timeline-several-{width}.png"))
+            page.set_content(report)
+            api.expect(svg).to_have_count(2)
+            got["demo report"] = page.evaluate(TEXTS)
+            page.screenshot(path=str(admin_shots / f"demo-report-{width}.png"), full_page=True)
+            return got
+
+        got = chromium.run(texts)
+    finally:
+        close(chromium, page)
+    assert [len(pictures) for pictures in got.values()] == [1, 1, 2]
+    for where, pictures in got.items():
+        for svg in pictures:
+            assert svg["count"] > 10 and svg["width"] > 0.5 * min(width, 960) - 60, svg
+            assert svg["outside"] == [], (where, width, svg["outside"])
+            assert len(set(svg["legend"])) == len(svg["legend"]), (where, svg["legend"])
+    # Every symbol of the admin's pictures is used, and each is named once: the break's
+    # mark is drawn on the broken bar's key, not as a second "broken".
+    several = got["several locks"][0]
+    assert several["legend"] == [
+        "grant (token), released", "lease ran out", "broken", "held now",
+        "holder still acting", "expired take-over", "stale write refused", "lease lost",
+        "renewed",
+    ]
+    assert several["crosses"] == 1  # the break's mark, once
