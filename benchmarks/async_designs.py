@@ -139,7 +139,7 @@ class AsyncThreadPool(AsyncBuilt):
         # thread-insensitive. Fails loudly if the async API stops calling it by this name.
         from asgiref.sync import sync_to_async
 
-        from distlock import async_locks, leases
+        from distlock.core import async_locks, leases
 
         pooled = functools.partial(sync_to_async, thread_sensitive=False)
         for module in (async_locks, leases):
@@ -192,10 +192,10 @@ class NativePsycopg(Design):
             self.idle.put_nowait(conn)
 
     async def acycle(self, name: str, blocking: bool) -> float:
-        from distlock.async_wakeups import AsyncWaiter
         from distlock.backends.results import Busy
         from distlock.constants import MAX_TOKEN
-        from distlock.grants import describe_holder, pause_before_retry
+        from distlock.core.grants import describe_holder, pause_before_retry
+        from distlock.waiting.listener import AsyncWaiter
 
         owner = os.urandom(16).hex()
         holder = describe_holder()

@@ -142,9 +142,9 @@ def set_design(db_alias: str, sql: str | None) -> None:
 
 
 def held_query_ms(db_alias: str, repeat: int) -> float:
-    """Median ms of the overview's held-now query (distlock.overview.held_now)."""
+    """Median ms of the overview's held-now query (distlock.admin.overview.held_now)."""
+    from distlock.admin.overview import held_now
     from distlock.db import db_now_us
-    from distlock.overview import held_now
 
     times = []
     for i in range(repeat + 2):

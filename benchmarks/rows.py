@@ -249,7 +249,7 @@ def admin_pages(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
         print(f"| {what} (`{term}`) | {small[what]:,.1f} | {big[what]:,.1f} |")
 
 
-# The Locks list's search box (distlock/admin_search.py) with terms of each kind: a
+# The Locks list's search box (distlock/admin/search.py) with terms of each kind: a
 # prefix of 1 name, of about 1% of the large table, of all of it, one exact name, none.
 SEARCHES = {"prefix, 1 name": "hot:042", "prefix, 1% of rows": "fill:00",
             "prefix, every fill row": "fill:", "exact (=name)": "=hot:042",
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args.purge_batch = [int(b) for b in (args.purge_batch or str(PURGE_BATCH)).split(",")]
-        # None: distlock's own (PURGE_REST, distlock/batches.py).
+        # None: distlock's own (PURGE_REST, distlock/core/batches.py).
         args.purge_rest = ([None] if args.purge_rest is None
                            else [float(r) for r in args.purge_rest.split(",")])
     except ValueError:

@@ -19,16 +19,15 @@ from distlock.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from distlock.async_locks import (
+    from distlock.core.async_locks import (
         aacquire,
         abreak_lock,
         alock,
         alocked,
         apurge_locks,
     )
-    from distlock.failover import raise_tokens
-    from distlock.leases import Lease
-    from distlock.locks import (
+    from distlock.core.leases import Lease
+    from distlock.core.locks import (
         acquire,
         break_lock,
         current_lease,
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
         locked,
         purge_locks,
     )
+    from distlock.ops.failover import raise_tokens
 
 __all__ = [
     "DistlockError",
@@ -60,19 +60,19 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Lease": "distlock.leases",
-    "aacquire": "distlock.async_locks",
-    "abreak_lock": "distlock.async_locks",
-    "alock": "distlock.async_locks",
-    "alocked": "distlock.async_locks",
-    "apurge_locks": "distlock.async_locks",
-    "acquire": "distlock.locks",
-    "break_lock": "distlock.locks",
-    "current_lease": "distlock.locks",
-    "lock": "distlock.locks",
-    "locked": "distlock.locks",
-    "purge_locks": "distlock.locks",
-    "raise_tokens": "distlock.failover",
+    "Lease": "distlock.core.leases",
+    "aacquire": "distlock.core.async_locks",
+    "abreak_lock": "distlock.core.async_locks",
+    "alock": "distlock.core.async_locks",
+    "alocked": "distlock.core.async_locks",
+    "apurge_locks": "distlock.core.async_locks",
+    "acquire": "distlock.core.locks",
+    "break_lock": "distlock.core.locks",
+    "current_lease": "distlock.core.locks",
+    "lock": "distlock.core.locks",
+    "locked": "distlock.core.locks",
+    "purge_locks": "distlock.core.locks",
+    "raise_tokens": "distlock.ops.failover",
 }
 
 

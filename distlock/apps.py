@@ -18,9 +18,9 @@ class DistlockConfig(AppConfig):
 
         from django.core.signals import setting_changed
 
-        from distlock import audit
+        from distlock.ops import audit
 
         audit.follow_setting()
         # After conf's own receiver (connected at its import), so the new value is read.
-        setting_changed.connect(audit.follow_setting, dispatch_uid="distlock.audit.follow")
+        setting_changed.connect(audit.follow_setting, dispatch_uid="distlock.ops.audit.follow")
         checks.register(audit.check_audit_settings)

@@ -25,7 +25,7 @@ FLOOR_ID = 1
 PURGE_BATCH = 1000
 # After each batch of purge_locks() or audit retention that deleted rows, a rest this many
 # times as long as the batch took, at most PURGE_REST_MAX seconds, so waiting writers get
-# in between batches (distlock/batches.py).
+# in between batches (distlock/core/batches.py).
 PURGE_REST = 1.0
 PURGE_REST_MAX = 0.05
 # A batch that gave up waiting for SQLite's write lock (its busy timeout, "database is

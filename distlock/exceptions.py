@@ -71,5 +71,5 @@ class TransactionNotAllowed(DistlockError, RuntimeError):
     transaction it would only commit (or roll back, handing the same token out twice) with
     that transaction, so distlock refuses instead of silently deferring the grant. Also
     raised by renew, break, purge and acquire of a lock whose row the caller's open
-    transaction holds through an uncommitted fenced write (see distlock/uncommitted.py).
+    transaction holds through an uncommitted fenced write (see distlock/core/uncommitted.py).
     """

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from distlock import db
-from distlock.leases import Lease
-from distlock.locks import acquire
+from distlock.core.leases import Lease
+from distlock.core.locks import acquire
 from distlock.validation import Seconds
 
 __all__ = ["hold_lock", "make_stale", "take_over"]

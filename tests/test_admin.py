@@ -20,10 +20,10 @@ from django.urls import reverse
 from django.utils.timezone import localtime
 
 from distlock import LockLost, acquire, break_lock
-from distlock.admin_search import check_term, prefix_end
+from distlock.admin.search import check_term, prefix_end
+from distlock.core.status import EXPIRED, FREE, HELD, STATES, locks, state_is
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
-from distlock.status import EXPIRED, FREE, HELD, STATES, locks, state_is
 from tests.support.helpers import expired_lock
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -629,7 +629,7 @@ def test_event_search_of_a_common_prefix_walks_time_back_on_sqlite(su_client, mo
     both find exactly their events on every database."""
     from django.db import connection
 
-    from distlock import admin_search
+    from distlock.admin import search as admin_search
 
     monkeypatch.setattr(admin_search, "COMMON", 50)
     LockEvent.objects.bulk_create(
@@ -826,7 +826,7 @@ def test_history_of_a_missing_lock_or_without_permission(su_client, settings, dj
 
 def test_a_long_history_is_counted_only_up_to_a_cap(su_client, settings, monkeypatch):
     """Counting 10M events costs a second per page view: the count stops at a cap."""
-    from distlock.admin_paging import CappedPaginator
+    from distlock.admin.paging import CappedPaginator
 
     settings.DISTLOCK_AUDIT = True
     monkeypatch.setattr(CappedPaginator, "CAP", 3)
@@ -843,7 +843,7 @@ def test_a_long_history_is_counted_only_up_to_a_cap(su_client, settings, monkeyp
 
 
 def test_the_lock_list_counts_up_to_the_cap_too(su_client, monkeypatch):
-    from distlock.admin_paging import CappedPaginator
+    from distlock.admin.paging import CappedPaginator
 
     monkeypatch.setattr(CappedPaginator, "CAP", 2)
     for n in range(4):

@@ -10,9 +10,9 @@ import pytest
 from django.db import connection, connections
 
 from distlock import LockLost, StaleToken, acquire, break_lock, signals
-from distlock.audit import check_audit_settings, event_batches, purge_events, record
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
+from distlock.ops.audit import check_audit_settings, event_batches, purge_events, record
 from distlock.testing import make_stale
 from tests.support.helpers import wait_expired
 from tests.testapp.models import Account
@@ -36,14 +36,14 @@ def test_audit_receivers_are_connected_only_while_audit_is_on(settings):
         found = set()
         for signal in (signals.lock_acquired, signals.lock_released, signals.lock_lost):
             found |= {key[0] for key, *_ in signal.receivers if str(key[0]).startswith(
-                "distlock.audit.")}
+                "distlock.ops.audit.")}
         return found
 
     settings.DISTLOCK_AUDIT = False
     assert audit_receivers() == set()
     settings.DISTLOCK_AUDIT = True
     assert audit_receivers() == {
-        "distlock.audit.acquired", "distlock.audit.released", "distlock.audit.lost"
+        "distlock.ops.audit.acquired", "distlock.ops.audit.released", "distlock.ops.audit.lost"
     }
     acquire("follow", ttl=30).release()
     assert kinds("follow") == ["acquired", "released"]
@@ -151,7 +151,7 @@ def test_a_failing_audit_insert_does_not_break_locking(audit, caplog):
     with connection.cursor() as cursor:
         cursor.execute("ALTER TABLE distlock_lockevent RENAME TO distlock_lockevent_away")
     try:
-        with caplog.at_level(logging.ERROR, logger="distlock.audit"):
+        with caplog.at_level(logging.ERROR, logger="distlock.ops.audit"):
             lease = acquire("sturdy", ttl=30)
             assert lease is not None
             assert lease.release() is True

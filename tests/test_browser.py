@@ -22,8 +22,8 @@ from django.db import connection
 from django.test import Client
 
 from distlock import LockLost, StaleToken, acquire
-from distlock.audit import record
 from distlock.models import Lock, LockEvent
+from distlock.ops.audit import record
 from tests.support.browser import (
     ARGS,
     CHROMIUM,
@@ -514,7 +514,7 @@ def every_kind(lock_db, settings) -> list[str]:
     """Three locks whose pictures use every symbol of the admin's legend: a grant taken
     over after its lease ran out, its holder's refused write, a renewal and a release; a
     grant broken by an operator, whose holder then finds it lost; one held now."""
-    from distlock.locks import break_lock
+    from distlock.core.locks import break_lock
     from distlock.testing import take_over
     from tests.testapp.models import Account
 
@@ -544,8 +544,7 @@ def _report_html() -> str:
     from datetime import UTC, datetime
 
     from demo_project.bank import report
-    from distlock.timeline import expiry_detail
-    from distlock.times import from_us
+    from distlock.times import expiry_detail, from_us
 
     @dataclass(frozen=True)
     class Attempt:  # the fields of demo_project.bank.models.Attempt the report reads

@@ -23,7 +23,8 @@ from celery import Celery, shared_task
 from kombu import Exchange, Queue
 
 from distlock import acquire, current_lease
-from distlock.celery import (
+from distlock.db import db_now_us
+from distlock.integrations.celery import (
     ContentionPolicy,
     LockContended,
     Raise,
@@ -33,9 +34,8 @@ from distlock.celery import (
     locked_task,
     visibility_timeout,
 )
-from distlock.db import db_now_us
+from distlock.integrations.policies import resolve
 from distlock.models import Lock
-from distlock.policies import resolve
 from tests.support.celery_app import (
     app,
     broker_url,
@@ -220,7 +220,7 @@ def test_visibility_timeout_of_brokers_and_the_warning(caplog):
     def long_ttl(self, key, *, lease):
         return lease.token
 
-    with caplog.at_level(logging.WARNING, logger="distlock.celery"):
+    with caplog.at_level(logging.WARNING, logger="distlock.integrations.celery"):
         token = long_ttl("vt")  # runs the body here: only the warning is under test
     assert token >= 1 and Lock.objects.get(name="test:vt").is_free
     assert "longer than the broker visibility timeout 10 s" in caplog.text

@@ -32,9 +32,9 @@ from distlock import (
 from distlock.backends import backend_for
 from distlock.constants import MAX_TOKEN
 from distlock.db import db_now_us
-from distlock.failover import RaisedTokens
 from distlock.management.commands.distlock_doctor import independence
 from distlock.models import Lock, LockEvent, TokenFloor
+from distlock.ops.failover import RaisedTokens
 from distlock.signals import lock_broken
 from tests.factories import AccountFactory
 from tests.support.helpers import expired_lock, us

@@ -17,7 +17,7 @@ from distlock.constants import LOCK_TABLE as TABLE
 from distlock.db import db_now_us
 from distlock.exceptions import TransactionNotAllowed
 from distlock.models import Lock
-from distlock.wakeups import queued
+from distlock.waiting.queue import queued
 from tests.support.helpers import start_thread, wait_until
 from tests.support.pgbouncer import QUEUE_CLASS, WAKEUP_CLASS
 from tests.support.processes import LIBFAKETIME, skewed_clock_env

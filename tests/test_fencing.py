@@ -922,7 +922,7 @@ def test_postgresql_trigger_refuses_lowering_the_token_by_raw_sql():
 def test_postgresql_trigger_operation_runs_backwards_and_forwards():
     from django.db.migrations.loader import MigrationLoader
 
-    from distlock.operations import RefuseLowerFenceToken
+    from distlock.fencing.operations import RefuseLowerFenceToken
 
     account = AccountFactory()
     lease = acquire(f"account:{account.pk}", ttl=30)
@@ -944,7 +944,7 @@ def test_postgresql_trigger_operation_runs_backwards_and_forwards():
             f"UPDATE {Account._meta.db_table} SET fence_token = -1 WHERE id = %s", [account.pk]
         )
     assert operation.deconstruct() == (
-        "distlock.operations.RefuseLowerFenceToken", ["Account"], {}
+        "distlock.fencing.operations.RefuseLowerFenceToken", ["Account"], {}
     )
 
 

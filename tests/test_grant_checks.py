@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from distlock import LockLost, acquire
+from distlock.core.leases import Lease
 from distlock.db import run
-from distlock.leases import Lease
 from distlock.models import Lock
 from tests.support.helpers import expired_lock, us
 

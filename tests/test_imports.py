@@ -105,7 +105,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_module_list_sees_the_package():
     modules = _modules()
-    assert {"distlock", "distlock.conf", "distlock.models", "distlock.locks"} <= set(modules)
+    assert {"distlock", "distlock.conf", "distlock.models", "distlock.core.locks"} <= set(modules)
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -147,3 +147,57 @@ def test_each_module_imports_alone_in_a_fresh_interpreter():
         if result.returncode != 0:
             failed[name] = result.stderr.strip().splitlines()[-1:]
     assert failed == {}
+
+
+# The rooms of distlock, from the inside out (the README's "Layout"): a module may import
+# from its own room and from rooms of its ring or further in, never from further out.
+RINGS = [
+    {"conf", "constants", "exceptions", "signals", "names", "times", "validation"},
+    {"backends"},
+    {"db"},
+    {"models"},
+    {"waiting"},
+    {"core"},
+    {"fencing"},
+    {"admin", "integrations", "ops", "contrib", "checks", "testing"},
+    {"management", "templatetags", "apps", "celery", "tasks", "distlock"},
+]
+# Arrows allowed outwards, each for a reason given here.
+OUTWARDS = {
+    # The public path distlock.models.FencedModel: a re-export, at the end of the module.
+    ("distlock.models", "distlock.fencing"),
+}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "distlock"
+
+
+def _ring(room: str) -> int:
+    return next(number for number, rooms in enumerate(RINGS) if room in rooms)
+
+
+def test_every_room_has_a_ring():
+    rooms = {_room(module) for module in _modules()}
+    assert rooms == set().union(*RINGS), "a new room: give it a ring in RINGS"
+
+
+def test_arrows_point_inward_only():
+    modules = _modules()
+    outward = sorted(
+        (name, target)
+        for name, path in modules.items() for target in _imports(name, path, modules)
+        if _ring(_room(target)) > _ring(_room(name)) and (name, target) not in OUTWARDS
+    )
+    assert outward == []
+
+
+def test_the_rooms_form_no_cycle():
+    modules = _modules()
+    rooms: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = {_room(t) for t in _imports(name, path, modules)
+                   if (name, t) not in OUTWARDS} - {_room(name)}
+        rooms.setdefault(_room(name), set()).update(targets)
+    assert _cycles(rooms) == []

@@ -23,8 +23,8 @@ from distlock import (
 )
 from distlock.backends import backend_for
 from distlock.constants import PURGE_REST_MAX
+from distlock.core.locks import purge_batches
 from distlock.db import db_now_us
-from distlock.locks import purge_batches
 from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -291,7 +291,7 @@ def test_purge_keeps_tokens_increasing():
 
 
 def test_purge_deletes_in_batches_and_raises_the_floor(monkeypatch):
-    monkeypatch.setattr("distlock.locks.PURGE_BATCH", 3)
+    monkeypatch.setattr("distlock.core.locks.PURGE_BATCH", 3)
     leases = [acquire(f"batch:{i}", ttl=30) for i in range(8)]
     for lease in leases[1:]:
         lease.release()

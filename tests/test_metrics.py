@@ -28,11 +28,10 @@ from distlock import (
     aacquire,
     acquire,
     break_lock,
-    checks,
     lock,
     signals,
 )
-from distlock.contrib.prometheus import metrics
+from distlock.contrib.prometheus import checks, metrics
 from distlock.contrib.prometheus.labels import INVALID, name_pattern
 from distlock.exceptions import LockTimeout
 from tests.factories import CounterFactory

@@ -96,7 +96,7 @@ def test_plain_mode_parts_are_what_fence_names_use():
 
 def test_locked_and_locked_task_refuse_the_same_bad_templates_at_decoration():
     from distlock import locked
-    from distlock.celery import locked_task
+    from distlock.integrations.celery import locked_task
 
     for decorator in (locked, locked_task):
         with pytest.raises(ValueError, match="must not be empty"):

@@ -1,4 +1,4 @@
-"""The admin's overview page and its queries (distlock/overview.py) on a real database:
+"""The admin's overview page and its queries (distlock/admin/overview.py) on a real database:
 what is held, who waits (PostgreSQL's registrations, played by hand with real sessions),
 what is most contended and which stale writes were refused, each within its bounds."""
 
@@ -12,10 +12,11 @@ from django.db import connection
 from django.test import Client
 from django.urls import reverse
 
-from distlock import acquire, overview
-from distlock.audit import record
+from distlock import acquire
+from distlock.admin import overview
 from distlock.db import db_now_us
 from distlock.models import LockEvent
+from distlock.ops.audit import record
 from tests.support.helpers import expired_lock, wait_until
 
 pytestmark = pytest.mark.usefixtures("lock_db")

@@ -19,7 +19,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
 
-from distlock.async_wakeups import channel
+from distlock.waiting.listener import channel
 from tests.support.pgbouncer import WAKEUP_CLASS, Server, Sweep, sweep
 
 pytestmark = [

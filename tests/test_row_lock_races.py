@@ -38,7 +38,7 @@ from distlock import acquire, break_lock, signals
 from distlock.backends import backend_for
 from distlock.backends.results import Grant
 from distlock.constants import LOCK_TABLE
-from distlock.leases import Lease
+from distlock.core.leases import Lease
 from distlock.models import Lock
 from tests.support.helpers import us, wait_until
 

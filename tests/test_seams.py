@@ -36,8 +36,8 @@ from distlock import (
     purge_locks,
     signals,
 )
+from distlock.core.leases import Lease
 from distlock.db import db_now_us
-from distlock.leases import Lease
 from distlock.models import Lock
 from tests import urls
 from tests.support.helpers import run_with_deadline, wait_until

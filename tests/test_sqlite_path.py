@@ -26,11 +26,11 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
 from distlock import StaleToken, TransactionNotAllowed, acquire, purge_locks, signals
-from distlock.audit import purge_events
 from distlock.backends import backend_for
 from distlock.backends.lean_cursor import LeanCursor
 from distlock.constants import PURGE_BUSY_RETRIES
 from distlock.models import Lock, LockEvent, TokenFloor
+from distlock.ops.audit import purge_events
 from distlock.testing import make_stale
 from tests.stressapp.models import Resource
 from tests.support.helpers import expired_lock, wait_until

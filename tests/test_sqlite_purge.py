@@ -24,8 +24,8 @@ import pytest
 from django.db import connection, connections  # noqa: F401  (the skipif condition)
 
 from distlock import acquire, purge_locks
-from distlock.audit import purge_events
 from distlock.models import Lock, LockEvent
+from distlock.ops.audit import purge_events
 
 pytestmark = [
     pytest.mark.usefixtures("lock_db"),

@@ -1,10 +1,10 @@
-"""distlock.status's words for durations: the one place seconds become "59 min"."""
+"""distlock.core.status's words for durations: the one place seconds become "59 min"."""
 
 from __future__ import annotations
 
 import pytest
 
-from distlock.status import duration, relative
+from distlock.core.status import duration, relative
 
 
 @pytest.mark.parametrize(

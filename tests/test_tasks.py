@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 from distlock import Lease, LockTimeout, StaleToken, acquire
-from distlock.models import Lock
-from distlock.tasks import (
+from distlock.integrations.tasks import (
     FRAMEWORK,
     CannotRequeue,
     LockContended,
@@ -30,6 +29,7 @@ from distlock.tasks import (
     locked_task,
     task_lock_busy,
 )
+from distlock.models import Lock
 from tests.support import tasks
 from tests.support.events import Events
 from tests.support.helpers import assert_freed_by_release, released, us
@@ -180,7 +180,7 @@ def test_retry_on_a_backend_that_cannot_defer_fails_and_says_why(lock_db):
     finally:
         held.release()
     assert result.status == FAILED
-    assert result.errors[0].exception_class_path == "distlock.tasks.CannotRequeue"
+    assert result.errors[0].exception_class_path == "distlock.integrations.tasks.CannotRequeue"
     assert "cannot defer a task (supports_defer is False)" in result.errors[0].traceback
     assert "'immediate' (ImmediateBackend)" in result.errors[0].traceback
     assert issubclass(CannotRequeue, LockContended)
@@ -322,7 +322,8 @@ def test_retry_gives_up_after_max_retries(workers):
     first = tasks.hold_retry_once.enqueue(k)
     busy = workers.events.wait(2, kind="busy", name=f"counter:{k}")
     last = workers.finished(busy[1]["task_id"])
-    assert last["status"] == FAILED and last["errors"] == ["distlock.policies.LockContended"]
+    assert last["status"] == FAILED
+    assert last["errors"] == ["distlock.integrations.policies.LockContended"]
     assert last["kwargs"] == {"distlock_retries": 1}
     assert [(e["retries"], e["countdown"]) for e in busy] == [(0, 0.1), (1, 0.1)]
     assert workers.finished(first.id)["status"] == SUCCESSFUL
@@ -338,7 +339,7 @@ def test_wait_gets_the_lock_when_the_holder_expires_or_gives_up(workers):
     gave_up = tasks.hold_wait_short.enqueue(short).id
     raised = tasks.hold_raise.enqueue(short).id
     for task_id, error in [(gave_up, "distlock.exceptions.LockTimeout"),
-                           (raised, "distlock.policies.LockContended")]:
+                           (raised, "distlock.integrations.policies.LockContended")]:
         outcome = workers.finished(task_id)
         assert outcome["status"] == FAILED and outcome["errors"] == [error]
     policies = {e["task_id"]: e["policy"] for e in workers.events.all(kind="busy")}

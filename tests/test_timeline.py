@@ -16,12 +16,12 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from distlock import StaleToken, acquire
-from distlock.admin_timeline import MAX_LOCKS, WINDOW_EVENTS
+from distlock.admin.timeline import Current, build
+from distlock.admin.timeline_svg import render
+from distlock.admin.views.timeline import MAX_LOCKS, WINDOW_EVENTS
 from distlock.models import LockEvent
 from distlock.testing import take_over
-from distlock.timeline import Current, build, expiry_detail, expiry_in
-from distlock.timeline_svg import render
-from distlock.times import from_us
+from distlock.times import expiry_detail, expiry_in, from_us
 from tests.testapp.models import Account
 
 S = 1_000_000

@@ -9,8 +9,8 @@ from decimal import Decimal
 import pytest
 
 from distlock import Lease, acquire, break_lock, lock, locked, purge_locks
-from distlock.audit import purge_events
 from distlock.models import Lock, LockEvent
+from distlock.ops.audit import purge_events
 from distlock.validation import MAX_SECONDS
 
 pytestmark = pytest.mark.usefixtures("lock_db")

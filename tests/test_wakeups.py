@@ -712,8 +712,8 @@ def test_a_polling_process_beside_queued_ones_is_told_it_starves(
     lasts its window), the poller's tries are refused, and it logs once that the setting
     must be the same in every process; distlock_doctor's probe sees the queued session
     from the polling process. (distlock does not make the mix fair: issue 27, item 5.)"""
-    from distlock import grants
     from distlock.backends.pg_pooler import mixed_wakeups_finding
+    from distlock.core import grants
 
     monkeypatch.setattr(grants, "_warned_mixed", False)
     holder = acquire("mixed", ttl=60)

@@ -16,8 +16,8 @@ from django.utils import timezone
 
 from demo_project.bank import deposits
 from distlock import StaleToken
-from distlock.leases import Lease
-from distlock.tasks import FRAMEWORK, locked_task
+from distlock.core.leases import Lease
+from distlock.integrations.tasks import FRAMEWORK, locked_task
 
 task = import_module(FRAMEWORK).task
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from demo_project.bank.models import Account, Attempt
 from distlock import StaleToken
+from distlock.core.leases import Lease
 from distlock.db import db_now_us
-from distlock.leases import Lease
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from distlock.timeline import STALE_WRITE_ACCEPTED, build
-from distlock.timeline_svg import render
+from distlock.admin.timeline import STALE_WRITE_ACCEPTED, build
+from distlock.admin.timeline_svg import render
 
 
 @dataclass(frozen=True)

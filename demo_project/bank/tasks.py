@@ -15,8 +15,8 @@ from django.conf import settings
 
 from demo_project.bank import deposits
 from distlock import StaleToken
-from distlock.celery import locked_task
-from distlock.leases import Lease
+from distlock.core.leases import Lease
+from distlock.integrations.celery import locked_task
 
 # When each task started in this process (before it waited for the lock), by task id.
 _started: dict[str, float] = {}

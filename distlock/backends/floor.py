@@ -128,7 +128,7 @@ class TokenFloorSQL:
     def batch_transaction(self, connection: Any) -> AbstractContextManager[bool]:
         """The transaction of one purge or retention batch on a database with one writer
         (``single_writer``), begun once it holds the write lock; yields whether the lock
-        was taken by someone else when the batch first asked (distlock/batches.py)."""
+        was taken by someone else when the batch first asked (distlock/core/batches.py)."""
         raise NotImplementedError
 
     def raise_tokens(

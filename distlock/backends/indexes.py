@@ -22,7 +22,7 @@ class IndexSQL:
     """CREATE and DROP statements of distlock's vendor-specific indexes."""
 
     #: The rare event kinds' index is partial here, so a query by a rare kind must also
-    #: say ``kind IN RARE_KINDS`` (distlock.admin_events.KindFilter) for SQLite to use it.
+    #: say ``kind IN RARE_KINDS`` (distlock.admin.events.KindFilter) for SQLite to use it.
     rare_events_index: str | None = f"(kind, at_us) WHERE {RARE_KINDS_SQL}"
 
     #: The audit events' name as the overview groups them: SQLite, grouping by ``name``,

@@ -1,7 +1,7 @@
 """PostgreSQL: does the lock table's name column order strings by code point?
 
 Then the names that start with a prefix are one range of the primary key's index, which
-is how the admin's search finds them among a million rows (distlock/admin_search.py).
+is how the admin's search finds them among a million rows (distlock/admin/search.py).
 Kept beside distlock/backends/postgresql.py, which calls it, to keep that module short.
 """
 

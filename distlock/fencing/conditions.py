@@ -36,7 +36,7 @@ from distlock.fencing.templates import (
 )
 
 if TYPE_CHECKING:
-    from distlock.leases import Lease
+    from distlock.core.leases import Lease
 
 #: (field, value) pairs: "the row whose ``field`` equals ``value``".
 Pins = Sequence[tuple[Any, Any]]

@@ -32,8 +32,8 @@ from distlock.fencing.templates import (
 )
 
 if TYPE_CHECKING:
+    from distlock.core.leases import Lease
     from distlock.fencing.ownership import LeaseHolds
-    from distlock.leases import Lease
 
 
 class FencedModel(FencedUpdateHook):

@@ -25,14 +25,15 @@ from django.db import connections, models, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.expressions import Expression
 
-from distlock import db, signals, uncommitted
+from distlock import db, signals
 from distlock.backends import backend_for
+from distlock.core import uncommitted
 from distlock.exceptions import StaleToken
 
 if TYPE_CHECKING:
     from django.db.models.sql.compiler import SQLCompiler
 
-    from distlock.leases import Lease
+    from distlock.core.leases import Lease
 
 T = TypeVar("T")
 
@@ -51,7 +52,7 @@ class OtherLock(Exception):
 
 def check_lease(lease: object) -> Lease:
     """``lease`` if it is a Lease; TypeError otherwise (a fence must be a real grant)."""
-    from distlock.leases import Lease
+    from distlock.core.leases import Lease
 
     if not isinstance(lease, Lease):
         raise TypeError(f"fence must be a distlock Lease, not {type(lease).__name__}")

@@ -30,8 +30,8 @@ from distlock.fencing.templates import (
 )
 
 if TYPE_CHECKING:
+    from distlock.core.leases import Lease
     from distlock.fencing.ownership import LeaseHolds
-    from distlock.leases import Lease
 
 M = TypeVar("M", bound=models.Model)
 

@@ -20,7 +20,7 @@ key exclusively, someone is waiting, and it NOTIFYs the channel, delivered at co
 With nobody waiting nothing is sent, so an uncontended release does not pay NOTIFY's
 commit-time serialization. The key is (1684825963 = "dlck", hashtext(name)); a hash
 collision only wakes a waiter early, and a lost notification only leaves the waiter to
-its back-off poll. See distlock/wakeups.py.
+its back-off poll. See distlock/waiting/queue.py.
 
 **Releases need not wait for the disk.** ``p_durable`` false sets
 ``synchronous_commit = off`` for the release's own transaction. Only releases: a grant or

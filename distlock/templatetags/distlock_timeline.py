@@ -12,7 +12,7 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
 
-from distlock.admin_timeline import URL_NAME, picture
+from distlock.admin.views.timeline import URL_NAME, picture
 from distlock.conf import conf
 from distlock.models import Lock
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from distlock.celery import locked_task
+from distlock.integrations.celery import locked_task
 from tests.support.celery_app import _lease_event, app, base_dir
 
 __all__ = ["app", "time_limited"]

@@ -22,7 +22,7 @@ from celery import Celery, Task, signals  # noqa: E402 - the fixup needs the set
 from django.dispatch import receiver  # noqa: E402
 
 from demo_project import kombu_filesystem  # noqa: E402, F401 - filesystem:// writes whole files
-from distlock.celery import (  # noqa: E402
+from distlock.integrations.celery import (  # noqa: E402
     ContentionPolicy,
     Raise,
     Retry,

@@ -63,9 +63,10 @@ def weaken_clock(rng: random.Random) -> None:
     """Make this process's acquire use a stale clock (the self-test's weakened build)."""
     from django.db import connections
 
-    from distlock import db, grants
+    from distlock import db
     from distlock.backends import backend_for
     from distlock.backends.base import Backend
+    from distlock.core import grants
 
     frozen = threading.local()
     real_try_once = grants.try_once

@@ -24,7 +24,15 @@ from asgiref.sync import sync_to_async
 from django.dispatch import receiver
 
 from distlock import current_lease
-from distlock.tasks import FRAMEWORK, Raise, Retry, Skip, Wait, locked_task, task_lock_busy
+from distlock.integrations.tasks import (
+    FRAMEWORK,
+    Raise,
+    Retry,
+    Skip,
+    Wait,
+    locked_task,
+    task_lock_busy,
+)
 from tests.support import events
 from tests.support.helpers import us
 from tests.testapp.models import Counter
@@ -109,7 +117,7 @@ def killable(context: Any, key: str, seconds: float = -1, *, lease: Any) -> int:
 
 
 # Without the context: the run finds its own result through the task_started signal
-# (distlock.tasks._running), which a requeue needs.
+# (distlock.integrations.tasks._running), which a requeue needs.
 
 
 @task()

@@ -114,7 +114,7 @@ def wait_for(name: str, ttl: float, timeout: float, poll: float | None = None,
     from django.test.utils import override_settings
 
     from distlock import acquire
-    from distlock.wakeups import Waiter
+    from distlock.waiting.queue import Waiter
 
     if report_pauses:
         wait = Waiter.wait
@@ -182,12 +182,12 @@ def purge_loop(batch: int) -> None:
     until the next line on stdin; reports how many rows it deleted."""
     import select
 
-    import distlock.batches
-    import distlock.locks
+    import distlock.core.batches
+    import distlock.core.locks
     from distlock import purge_locks
 
-    distlock.locks.PURGE_BATCH = batch  # type: ignore[misc]
-    distlock.batches.PURGE_REST = 0.0  # type: ignore[misc]  # race as hard as it can
+    distlock.core.locks.PURGE_BATCH = batch  # type: ignore[misc]
+    distlock.core.batches.PURGE_REST = 0.0  # type: ignore[misc]  # race as hard as it can
     emit("ready")
     command()
     purged = rounds = 0

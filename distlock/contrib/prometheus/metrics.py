@@ -24,7 +24,7 @@ from distlock import signals
 from distlock.contrib.prometheus.labels import pattern_of
 
 if TYPE_CHECKING:
-    from distlock.leases import Lease
+    from distlock.core.leases import Lease
 
 LABELS = ("lock",)
 # Seconds: a grant is mostly immediate or waits for a release or an expiry (ttls of

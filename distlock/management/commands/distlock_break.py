@@ -11,7 +11,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from distlock.locks import break_lock
+from distlock.core.locks import break_lock
 from distlock.management.commands._common import LockCommand, parse_int
 from distlock.models import Lock
 from distlock.validation import check_name

@@ -3,7 +3,7 @@ by --margin (default 1,000,000,000) above the largest token so far, and end ever
 that no token the lost primary issued is issued again. Run it on the promoted server before
 the application can reach it.
 
-Thin over :func:`distlock.failover.raise_tokens` (one transaction: all or nothing); the
+Thin over :func:`distlock.ops.failover.raise_tokens` (one transaction: all or nothing); the
 runbook and how to choose the margin are in docs/deployment.md.
 """
 
@@ -17,8 +17,8 @@ from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
 from distlock.exceptions import TokenExhausted
-from distlock.failover import DEFAULT_MARGIN, check_margin, raise_tokens
 from distlock.management.commands._common import LockCommand, parse_int
+from distlock.ops.failover import DEFAULT_MARGIN, check_margin, raise_tokens
 
 
 def _who() -> str:

@@ -17,10 +17,10 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 from django.db.models import QuerySet
 
-from distlock.admin_search import search
+from distlock.admin.search import search
+from distlock.core.status import FREE, HELD, LockWithState, describe, locks, relative, state_is
 from distlock.db import db_now_us
 from distlock.management.commands._common import LockCommand, parse_int, parse_seconds
-from distlock.status import FREE, HELD, LockWithState, describe, locks, relative, state_is
 
 COLUMNS = ["name", "state", "token", "holder", "expires", "renews"]
 WATCH_SECONDS = 2.0

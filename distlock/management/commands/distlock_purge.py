@@ -4,7 +4,7 @@ given). Durations: seconds or 90s, 15m, 12h, 7d, 2w.
 
 Thin over :func:`distlock.purge_locks` (which raises the token floor to every token it
 deletes, so a purged name that comes back still gets a higher token) and
-:func:`distlock.audit.purge_events`; both delete in short batches.
+:func:`distlock.ops.audit.purge_events`; both delete in short batches.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from distlock.audit import purge_events, retention
 from distlock.conf import conf
-from distlock.locks import purge_locks
+from distlock.core.locks import purge_locks
+from distlock.core.status import duration
 from distlock.management.commands._common import LockCommand, parse_duration
-from distlock.status import duration
+from distlock.ops.audit import purge_events, retention
 
 
 class Command(LockCommand):

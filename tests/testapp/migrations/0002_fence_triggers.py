@@ -1,6 +1,6 @@
 from django.db import migrations
 
-from distlock.operations import RefuseLowerFenceToken
+from distlock.fencing.operations import RefuseLowerFenceToken
 
 
 class Migration(migrations.Migration):

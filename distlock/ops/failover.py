@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlock import db, signals, uncommitted
+from distlock import db, signals
 from distlock.constants import MAX_TOKEN
+from distlock.core import uncommitted
 from distlock.validation import check_text, check_using
 
 #: The default margin: more grants than the lost primary can have made that the standby

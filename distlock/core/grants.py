@@ -25,7 +25,7 @@ from distlock.backends.base import Backend
 from distlock.backends.results import Busy, Grant
 from distlock.conf import conf
 from distlock.constants import HOLDER_LENGTH
-from distlock.leases import Lease, logger
+from distlock.core.leases import Lease, logger
 from distlock.validation import (
     Seconds,
     check_name,

@@ -4,7 +4,7 @@ Fenced writes never lower ``fence_token`` and plain ORM saves never write it, bu
 other programs and bulk tools can. With this trigger the database itself refuses any
 UPDATE that lowers the column, so the high-water mark holds for every writer::
 
-    from distlock.operations import RefuseLowerFenceToken
+    from distlock.fencing.operations import RefuseLowerFenceToken
 
     class Migration(migrations.Migration):
         dependencies = [("shop", "0001_initial")]

@@ -2,9 +2,9 @@
 time axis, for people.
 
 Pure on purpose: events in, dataclasses out, no database and no admin. The admin pages
-(:mod:`distlock.admin_timeline`) read a bounded window of :class:`~distlock.models.LockEvent`
+(:mod:`distlock.admin.views.timeline`) read a bounded window of :class:`~distlock.models.LockEvent`
 rows and the demo's report reads its own run's; both draw with
-:func:`distlock.timeline_svg.render`.
+:func:`distlock.admin.timeline_svg.render`.
 
 A grant is a bar from its grant to the end of its lease: its release, its break, or its
 expiry when the next holder took over (the expiry comes from the events' ``expires …``
@@ -17,41 +17,16 @@ run, accepted) stale writes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Protocol
 
-from distlock.times import EPOCH
+from distlock.times import expiry_in
 
 #: Event kinds that start a grant (see LockEvent.Kind).
 GRANTS = ("acquired", "took_over")
 #: The demo's own kind for a stale write that nothing refused (its unfenced run).
 STALE_WRITE_ACCEPTED = "stale_write_accepted"
-
-_EXPIRES = re.compile(r"\bexpires (\d{4}-\d\d-\d\dT[\d:.]+(?:[+-]\d\d:\d\d|Z)?)")
-
-
-def expiry_detail(expires_at: datetime) -> str:
-    """The ``expires …`` text the audit puts in grant and renewal events' detail."""
-    return f"expires {expires_at.isoformat()}"
-
-
-def expiry_in(detail: str) -> int | None:
-    """The lease end written by :func:`expiry_detail`, in epoch microseconds, or None."""
-    found = _EXPIRES.search(detail or "")
-    if found is None:
-        return None
-    try:
-        moment = datetime.fromisoformat(found.group(1))
-    except ValueError:
-        return None
-    if moment.tzinfo is None:
-        return None
-    delta = moment - EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
-
 
 class Event(Protocol):
     """What the builder reads of an event; a LockEvent row has all of it."""

@@ -4,7 +4,7 @@ freed. Shared by the admin's lists and pages and the overview page.
 The lists must fit a 1366 px screen beside Django's navigation and filter sidebars, so
 cells are short: a time of today is shown as its time of day, long text is cut with the
 whole of it in the ``title`` (hover) and on the object's own page, and relative times
-come from :func:`distlock.status.relative`, the one place durations become words.
+come from :func:`distlock.core.status.relative`, the one place durations become words.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from distlock.conf import conf
+from distlock.core.status import EXPIRED, FREE, HELD, relative
 from distlock.models import Lock, LockEvent
-from distlock.status import EXPIRED, FREE, HELD, relative
 from distlock.times import from_us
 
 _BADGE_COLOURS = {

@@ -8,7 +8,7 @@ on a large site (issue 17: every operator view under 150 ms with 1,000,000 lock 
   first) leave the server. The index costs grants and releases their heap-only (HOT)
   update on PostgreSQL, renewals keep it (docs/decisions.md, "Held now").
 - **Waiting**: what the wake-up machinery registers. On PostgreSQL a waiting acquire holds
-  a shared advisory lock keyed by its name's hash (see :mod:`distlock.wakeups`), so
+  a shared advisory lock keyed by its name's hash (see :mod:`distlock.waiting.queue`), so
   ``pg_locks`` shows the waiting sessions; their names are found with one more scan of
   the lock table, only when someone waits. Elsewhere, and with wake-ups off, waiters
   poll and register nowhere: the page says so instead of guessing.
@@ -34,9 +34,9 @@ from django.utils import timezone
 
 from distlock.backends import backend_for
 from distlock.conf import conf
+from distlock.core.status import HELD, state_is
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
-from distlock.status import HELD, state_is
 from distlock.times import EPOCH
 
 HELD_LIMIT = 20

@@ -1,4 +1,4 @@
-"""Draw a :class:`~distlock.timeline.Timeline` as one inline SVG string.
+"""Draw a :class:`~distlock.admin.timeline.Timeline` as one inline SVG string.
 
 Server-side and self-contained (no JavaScript, no fonts or files to fetch), so the same
 picture works in the admin and in the demo's standalone HTML report. Colours: text and
@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, tzinfo
 from html import escape
 
-from distlock.timeline import STALE_WRITE_ACCEPTED, Bar, Lane, Mark, Timeline
+from distlock.admin.timeline import STALE_WRITE_ACCEPTED, Bar, Lane, Mark, Timeline
 from distlock.times import from_us
 
 WIDTH = 960

@@ -1,6 +1,6 @@
 """Admin pages of the audit history (LockEvent): read-only, filtered by kind and age.
 
-Registered by importing this module from :mod:`distlock.admin`. The list fits a 1366 px
+Registered by importing this module from :mod:`distlock.admin.locks`. The list fits a 1366 px
 screen: the event's time to the second (milliseconds on hover and on the event's page),
 holder and detail cut with all of their text on hover, and who broke a lock shown in the
 detail column rather than a column of its own that is empty on every other row.
@@ -15,13 +15,13 @@ from django.db.models import BooleanField, QuerySet
 from django.db.models.expressions import RawSQL
 from django.http import HttpRequest
 
-from distlock.admin_paging import CappedPaginator
-from distlock.admin_search import EVENTS_HELP_TEXT, NameSearch
+from distlock.admin.display import badge, cut, precise, when
+from distlock.admin.paging import CappedPaginator
+from distlock.admin.search import EVENTS_HELP_TEXT, NameSearch
 from distlock.backends.indexes import RARE_KINDS_SQL
 from distlock.conf import conf
 from distlock.constants import RARE_KINDS
 from distlock.db import db_now_us
-from distlock.display import badge, cut, precise, when
 from distlock.models import LockEvent
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The async API: aacquire(), alock(), alocked(), abreak_lock() and apurge_locks().
 
 The same guarantees as the sync API, because it is the sync API's steps
-(:mod:`distlock.grants`) with the waiting done by asyncio:
+(:mod:`distlock.core.grants`) with the waiting done by asyncio:
 
 - **Each database operation runs in Django's sync layer** (``sync_to_async``,
   thread-sensitive), exactly where Django runs the caller's own async ORM calls
@@ -16,7 +16,7 @@ The same guarantees as the sync API, because it is the sync API's steps
   request) but exists for PostgreSQL only and bypasses the checks, signals and audit.
 - **Waiting never blocks the loop**: between tries a coroutine awaits its back-off pause
   or, on PostgreSQL, a release's notification through the loop's one shared LISTEN
-  connection (:mod:`distlock.async_wakeups`). Waiting costs no thread and no connection.
+  connection (:mod:`distlock.waiting.listener`). Waiting costs no thread and no connection.
 - **One try at a time per name in each event loop**: the coroutines of a loop waiting for
   one name take turns (FIFO) to send a try. Outside a request all of a loop's
   thread-sensitive calls share one thread, and 200 waiters polling on their own would
@@ -44,13 +44,13 @@ from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 
-from distlock import grants, uncommitted
-from distlock.async_wakeups import AsyncWaiter
 from distlock.backends.results import Busy
-from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
-from distlock.leases import Lease, LostCallback
-from distlock.locks import LockBlock, break_lock, call_namer, name_template, purge_locks
+from distlock.core import grants, uncommitted
+from distlock.core.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
+from distlock.core.leases import Lease, LostCallback
+from distlock.core.locks import LockBlock, break_lock, call_namer, name_template, purge_locks
 from distlock.validation import Seconds
+from distlock.waiting.listener import AsyncWaiter
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -189,7 +189,7 @@ def refuse_sync(func: object, decorator: str) -> None:
 class alock(LockBlock, AsyncContextDecorator):  # noqa: N801 - reads like a function
     """Hold lock ``name`` for an ``async with`` block (or a decorated coroutine's run).
 
-    The async form of :class:`~distlock.locks.lock`: ``async with alock("invoice:42",
+    The async form of :class:`~distlock.core.locks.lock`: ``async with alock("invoice:42",
     ttl=30, timeout=10) as lease:`` waits up to ``timeout`` seconds (without blocking the
     event loop) and raises LockTimeout if the lock cannot be had. The lock is released
     when the block ends, also on an exception or a cancellation; ``current_lease()``

@@ -15,13 +15,15 @@ from typing import Protocol
 from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 
-from distlock import db, signals, uncommitted, wakeups
+from distlock import db, signals
 from distlock.backends import backend_for
 from distlock.backends.results import Grant
 from distlock.conf import conf
+from distlock.core import uncommitted
 from distlock.exceptions import LockLost
 from distlock.times import from_us
 from distlock.validation import check_name, check_owner, check_token, check_ttl, check_using
+from distlock.waiting import queue as wakeups
 
 logger = logging.getLogger("distlock")
 

@@ -23,20 +23,20 @@ from django.db.models.expressions import Combinable
 from django.dispatch import Signal
 
 from distlock import signals
-from distlock.batches import in_batches
 from distlock.conf import conf
 from distlock.constants import PURGE_BATCH
-from distlock.status import database_now
-from distlock.timeline import expiry_detail
+from distlock.core.batches import in_batches
+from distlock.core.status import database_now
+from distlock.times import expiry_detail
 from distlock.validation import check_seconds, check_using
 
 if TYPE_CHECKING:
-    from distlock.leases import Lease
+    from distlock.core.leases import Lease
 
-logger = logging.getLogger("distlock.audit")
+logger = logging.getLogger("distlock.ops.audit")
 
 # dispatch_uid keeps a second ready() (tests that reload apps) from connecting twice.
-_UID = "distlock.audit."
+_UID = "distlock.ops.audit."
 
 
 def record(
@@ -204,7 +204,7 @@ def event_batches(
     alias: str, cutoff: int | Combinable, size: int | None = None, rest: float | None = None
 ) -> Iterator[tuple[int, float]]:
     """purge_events' batches of ``size`` events (default PURGE_BATCH), with a rest after
-    each that deleted rows (distlock/batches.py): yields (rows deleted, seconds the batch
+    each that deleted rows (distlock/core/batches.py): yields (rows deleted, seconds the batch
     took), for benchmarks/rows_purge.py to time them."""
     size = PURGE_BATCH if size is None else size
 

@@ -15,14 +15,15 @@ from typing import Any, ParamSpec, TypeVar
 from asgiref.sync import iscoroutinefunction
 from django.db import connections
 
-from distlock import db, grants, signals, uncommitted
+from distlock import db, signals
 from distlock.backends import backend_for
 from distlock.backends.results import Busy, Grant
-from distlock.batches import in_batches
 from distlock.constants import PURGE_BATCH
+from distlock.core import grants, uncommitted
+from distlock.core.batches import in_batches
+from distlock.core.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
+from distlock.core.leases import Lease, LostCallback
 from distlock.exceptions import LockTimeout
-from distlock.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
-from distlock.leases import Lease, LostCallback
 from distlock.names import NameTemplate
 from distlock.validation import (
     Seconds,
@@ -34,7 +35,7 @@ from distlock.validation import (
     check_ttl,
     check_using,
 )
-from distlock.wakeups import Turn, Waiter, has_queue, poke, queue_for
+from distlock.waiting.queue import Turn, Waiter, has_queue, poke, queue_for
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -353,7 +354,7 @@ def purge_locks(*, idle: Seconds = timedelta(days=1), using: str | None = None) 
     next purge. See :func:`purge_batches` for the rest between batches. On SQLite a
     batch polls for the write lock itself and raises OperationalError ("database is
     locked", with the rows deleted before it) if it gets none within the busy timeout
-    four times (distlock/batches.py); the batches before it stay deleted.
+    four times (distlock/core/batches.py); the batches before it stay deleted.
     """
     seconds = check_seconds(idle, "idle")
     if seconds < 0:
@@ -367,7 +368,7 @@ def purge_batches(
     alias: str, idle_us: int, size: int | None = None, rest: float | None = None
 ) -> Iterator[tuple[int, float]]:
     """purge_locks' batches of ``size`` names (default PURGE_BATCH), one transaction each,
-    with a rest after each that deleted rows (distlock/batches.py): yields (rows deleted,
+    with a rest after each that deleted rows (distlock/core/batches.py): yields (rows deleted,
     seconds the batch took), for benchmarks/rows_purge.py to time them."""
     size = PURGE_BATCH if size is None else size
     after: str | None = ""

@@ -26,15 +26,17 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
+from distlock.admin.timeline import Current, Timeline, build
+from distlock.admin.timeline_svg import render
 from distlock.conf import conf
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
-from distlock.timeline import Current, Timeline, build
-from distlock.timeline_svg import render
 from distlock.validation import check_name
 
 if TYPE_CHECKING:
-    from distlock.admin import LockAdmin
+    from django.contrib.admin import ModelAdmin
+
+    LockAdmin = ModelAdmin[Lock]
 
 #: The most events one picture reads (the newest ones): more would not be told apart
 #: in 750 pixels, and drawing them costs about 0.04 ms each.

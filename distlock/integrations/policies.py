@@ -29,7 +29,7 @@ __all__ = [
     "resolve", "task_lock_busy",
 ]
 
-logger = logging.getLogger("distlock.celery")
+logger = logging.getLogger("distlock.integrations.celery")
 
 ALIASES = ("skip", "retry", "wait", "raise")
 

@@ -4,7 +4,7 @@ waits, what is most contended and which stale writes were refused.
 The page loads once; a small script of ours (``distlock/overview.js``, no CDN, no
 library) fetches ``overview/fragment/`` every few seconds and swaps it in, so the page
 refreshes without a reload. Both need the Locks list's view permission. The queries are
-in :mod:`distlock.overview`, where their costs are explained.
+in :mod:`distlock.admin.overview`, where their costs are explained.
 """
 
 from __future__ import annotations
@@ -19,13 +19,17 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.http import urlencode
 
+from distlock.admin.display import cut, precise, short_owner, when, when_and_relative
+from distlock.admin.overview import EVENT_WINDOW, HELD_LIMIT, overview
 from distlock.conf import conf
-from distlock.display import cut, precise, short_owner, when, when_and_relative
-from distlock.overview import EVENT_WINDOW, HELD_LIMIT, overview
-from distlock.status import duration, relative
+from distlock.core.status import duration, relative
 
 if TYPE_CHECKING:
-    from distlock.admin import LockAdmin
+    from django.contrib.admin import ModelAdmin
+
+    from distlock.models import Lock
+
+    LockAdmin = ModelAdmin[Lock]
 
 View = Callable[[HttpRequest], HttpResponse]
 # Seconds between refreshes: often enough to watch a lock change hands, rarely enough

@@ -1,6 +1,6 @@
 """Waking waiting coroutines when a lock is freed: one LISTEN connection per event loop.
 
-The sync waiter (:mod:`distlock.wakeups`) listens on the acquiring thread's own
+The sync waiter (:mod:`distlock.waiting.queue`) listens on the acquiring thread's own
 connection and blocks in psycopg's ``notifies()``. A coroutine must not block, and 200
 coroutines waiting in one process must not cost 200 connections or threads. So each event
 loop keeps one psycopg ``AsyncConnection`` per lock database, shared by all its waiters:

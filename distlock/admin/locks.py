@@ -1,6 +1,6 @@
 """Admin pages: the lock table (read-only, with a guarded "break" action and a Break
 button on a held lock's page) and its overview page; the audit history's pages are in
-:mod:`distlock.admin_events`, the overview's view in :mod:`distlock.admin_overview`.
+:mod:`distlock.admin.events`, the overview's view in :mod:`distlock.admin.views.overview`.
 
 Nothing here writes lock rows directly. Breaking goes through :func:`distlock.break_lock`
 with the owner and token the confirmation page showed, so tokens keep increasing, the
@@ -26,12 +26,7 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext
 
-from distlock import admin_overview, admin_search
-from distlock.admin_paging import CappedPaginator, SortedWhereBounded, sortable_columns
-from distlock.admin_timeline import timeline_url
-from distlock.conf import conf
-from distlock.db import db_now_us
-from distlock.display import (
+from distlock.admin.display import (
     badge,
     cut,
     freed,
@@ -40,10 +35,14 @@ from distlock.display import (
     short_owner,
     when_and_relative,
 )
-from distlock.exceptions import TransactionNotAllowed
-from distlock.locks import break_lock
-from distlock.models import Lock
-from distlock.status import (
+from distlock.admin.paging import CappedPaginator, SortedWhereBounded, sortable_columns
+from distlock.admin.search import HELP_TEXT, NameSearch
+from distlock.admin.views.overview import fragment as overview_fragment
+from distlock.admin.views.overview import page as overview_page
+from distlock.admin.views.timeline import timeline_url
+from distlock.conf import conf
+from distlock.core.locks import break_lock
+from distlock.core.status import (
     EXPIRED,
     FREE,
     HELD,
@@ -52,6 +51,9 @@ from distlock.status import (
     state_is,
     with_state,
 )
+from distlock.db import db_now_us
+from distlock.exceptions import TransactionNotAllowed
+from distlock.models import Lock
 from distlock.validation import check_name, check_owner, check_token
 
 if TYPE_CHECKING:
@@ -99,7 +101,7 @@ class StateFilter(admin.SimpleListFilter):
 
 
 @admin.register(Lock)
-class LockAdmin(admin_search.NameSearch, _LockAdminBase):
+class LockAdmin(NameSearch, _LockAdminBase):
     list_display = [
         "name", "state_badge", "holder_cut", "token", "acquired", "expires", "renewed",
     ]
@@ -107,7 +109,7 @@ class LockAdmin(admin_search.NameSearch, _LockAdminBase):
     # The box searches names only, by prefix through the primary key (NameSearch: one
     # range of the index, where Django's search would scan the table).
     search_fields = ["name"]
-    search_help_text = admin_search.HELP_TEXT
+    search_help_text = HELP_TEXT
     ordering = ["name"]
     # A filtered or searched list counts its own rows only: Django's default also counts
     # the whole table for "(n total)", a second full scan on a large lock table. Facet
@@ -148,13 +150,13 @@ class LockAdmin(admin_search.NameSearch, _LockAdminBase):
 
     def get_urls(self) -> list[URLPattern]:
         """The overview page and its refreshed fragment, and the timeline of several locks
-        (distlock/admin_timeline.py), before Django's own URLs (whose
+        (distlock/admin/views/timeline.py), before Django's own URLs (whose
         ``<path:object_id>/`` would take "overview/" for a lock name). A lock's own page
         shows its picture through templates/admin/distlock/lock/change_form.html."""
         view = self.admin_site.admin_view
         return [
-            path("overview/", view(admin_overview.page(self)), name="distlock_overview"),
-            path("overview/fragment/", view(admin_overview.fragment(self)),
+            path("overview/", view(overview_page(self)), name="distlock_overview"),
+            path("overview/fragment/", view(overview_fragment(self)),
                  name="distlock_overview_fragment"),
             timeline_url(self),
             *super().get_urls(),
@@ -377,7 +379,3 @@ class LockAdmin(admin_search.NameSearch, _LockAdminBase):
             )
         if not expected:
             self.message_user(request, "None of the selected locks was held.", messages.INFO)
-
-
-# The audit history's pages (registered on import).
-from distlock import admin_events  # noqa: E402, F401

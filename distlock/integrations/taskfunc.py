@@ -19,7 +19,7 @@ from distlock.names import NameTemplate
 from distlock.validation import check_name
 
 if TYPE_CHECKING:
-    from distlock.leases import Lease, LostCallback
+    from distlock.core.leases import Lease, LostCallback
 
 __all__ = ["TaskFunction", "arun_locked", "check_namer", "run_locked"]
 
@@ -117,8 +117,8 @@ def run_locked(
     raised, not reported as ``(False, None)``.
     """
     # Imported here: a tasks module importing a decorator may load before Django's app
-    # registry is ready, and distlock.locks imports the Lock model.
-    from distlock.locks import lock
+    # registry is ready, and distlock.core.locks imports the Lock model.
+    from distlock.core.locks import lock
 
     entered = False
     try:
@@ -140,7 +140,7 @@ async def arun_locked(
 ) -> tuple[bool, R | None]:
     """:func:`run_locked` for a coroutine body, under :class:`~distlock.alock` (waiting
     does not block the event loop; auto-renewal is an asyncio task)."""
-    from distlock.async_locks import alock
+    from distlock.core.async_locks import alock
 
     entered = False
     try:
