@@ -34,6 +34,9 @@ def _outside_pages() -> dict[str, str]:
 PAGES = _outside_pages()
 _SOURCE = {page: source for source, page in PAGES.items()}
 _LINK = re.compile(r"\]\((?!https?://|#|mailto:)([^)\s#]+)(#[^)\s]*)?\)")
+# A Sphinx role in a docstring (:meth:`renew`), which mkdocstrings renders as the role's
+# name before the code: the code alone is kept.
+_ROLE = re.compile(r":(?:attr|class|data|exc|func|meth|mod|obj|py:\w+):(?=<code>)")
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -59,3 +62,7 @@ def on_page_markdown(markdown: str, page: Page, config: Any, files: Files) -> st
         return f"]({link}{match[2] or ''})"
 
     return _LINK.sub(site_link, markdown)
+
+
+def on_page_content(html: str, page: Page, config: Any, files: Files) -> str:
+    return _ROLE.sub("", html)
