@@ -12,6 +12,7 @@ __all__ = [
     "DistlockError",
     "LockTimeout",
     "LockLost",
+    "NestedLock",
     "StaleToken",
     "TokenExhausted",
     "TransactionNotAllowed",
@@ -73,3 +74,29 @@ class TransactionNotAllowed(DistlockError, RuntimeError):
     raised by renew, break, purge and acquire of a lock whose row the caller's open
     transaction holds through an uncommitted fenced write (see distlock/core/uncommitted.py).
     """
+
+
+class NestedLock(DistlockError, RuntimeError):
+    """Lock ``name`` was asked for where it is already held: inside a ``lock()``/``alock()``
+    block (or ``@locked``/``locked_task`` run) of the same name in this thread, or in this
+    asyncio task.
+
+    Raised at once, before any SQL. Without it the inner acquire would wait for the outer
+    lease, its own, until that expired, and then take the lock over from it (a new token;
+    the outer block ends "no longer held"). Use the outer lease instead
+    (``current_lease()``, or pass it down). ``token`` and ``owner`` name that lease.
+    """
+
+    def __init__(self, name: str, token: int, owner: str) -> None:
+        self.name = name
+        self.token = token
+        self.owner = owner
+        super().__init__(
+            f"lock {name!r} is already held here by the enclosing lock block (token "
+            f"{token}, owner {owner}): a nested acquire of the same name by the same "
+            "thread or asyncio task would wait for its own lease to expire and then take "
+            "it over. Use the outer lease (current_lease()) instead of locking again"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.name, self.token, self.owner))

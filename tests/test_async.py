@@ -80,10 +80,14 @@ def test_alock_block_sets_current_lease_per_task_and_raises_lock_timeout():
     async def body():
         await asyncio.gather(holder("a"), holder("b"))
         assert current_lease() is None
+        async def contender():
+            async with alock("a", ttl=30, timeout=0):
+                pass
+
         async with alock("a", ttl=30):
+            # Another task (one created inside the block too) is another holder: busy.
             with pytest.raises(LockTimeout):
-                async with alock("a", ttl=30, timeout=0):
-                    pass
+                await asyncio.create_task(contender())
 
     run_async(body)
     assert seen["a"][0] and seen["b"][0]

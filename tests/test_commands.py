@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -711,6 +712,8 @@ def test_command_exit_status_from_a_real_process():
          " is too long"),
         (["distlock_doctor", "--max-skew", "soon"], "--max-skew: 'soon' is not a number"),
         (["distlock_failover", "--margin", "abc"], "--margin: 'abc' is not a whole number"),
+        (["distlock_list", "--limit", "99999999999999999999"], "--limit: "
+         "'99999999999999999999' is too large"),
     ],
 )
 def test_bad_numbers_exit_1_with_a_message_from_a_real_process(args, message):
@@ -747,3 +750,151 @@ def test_doctor_fails_when_the_audit_table_is_missing(settings):
             cursor.execute("ALTER TABLE distlock_lockevent_away RENAME TO distlock_lockevent")
     settings.DISTLOCK_AUDIT = False
     assert "no problems" in run("distlock_doctor")
+
+
+# --- every numeric option of every command, with hostile values ---------------------
+
+# Every option of a distlock command that takes a number (or a duration), with what the
+# command needs to get as far as reading it: distlock_break's name.
+NUMERIC_OPTIONS = [
+    ("distlock_list", [], "--limit"),
+    ("distlock_list", [], "--watch"),
+    ("distlock_break", ["busy"], "--token"),
+    ("distlock_purge", [], "--idle"),
+    ("distlock_purge", [], "--events-older-than"),
+    ("distlock_doctor", [], "--max-skew"),
+    ("distlock_failover", [], "--margin"),
+]
+# Refused by every one of them: past a signed (and an unsigned) 64-bit integer, past a
+# float, past int()'s 4,300 digits; negative; not a number at all; NaN and infinities.
+HOSTILE = [
+    "99999999999999999999", str(2**63), str(2**64), "9" * 400, "9" * 5000, "1e400",
+    "-1", "-99999999999999999999", "-" + "9" * 5000, "-1e400", "-0.5", "abc", "", " ", "nan",
+    "NaN", "inf", "-inf", "Infinity", "0x10", "1,000", "½", "1e", "1 2",
+]
+# Zero where it means nothing (elsewhere it is a documented value: --limit 0 lists all,
+# --idle 0 purges every idle row, --max-skew 0 warns of any skew), and just too large.
+REFUSED_TOO = {
+    "--watch": ["0", "0.1", "86401", "1e10"],
+    "--token": ["0", str(MAX_TOKEN + 1)],
+    "--margin": ["0", str(MAX_TOKEN + 1)],
+    "--limit": [str(10**18 + 1), str(MAX_TOKEN)],
+    "--idle": ["1000000000001", "99999999999999999999d"],
+    "--events-older-than": ["1000000000001", "99999999999999999999w"],
+    "--max-skew": ["1000000000001", "1e13"],
+}
+
+
+def _numeric_cases():
+    for command, args, option in NUMERIC_OPTIONS:
+        for value in HOSTILE + REFUSED_TOO[option]:
+            shown = value if len(value) <= 20 else f"{value[:8]}…x{len(value)}"
+            yield pytest.param(command, args, option, value, id=f"{command}{option}={shown!r}")
+
+
+def _everything() -> tuple:
+    """What any of the commands could change: lock rows, the token floor, audit events."""
+    return (
+        list(Lock.objects.order_by("name").values_list()),
+        list(TokenFloor.objects.values_list()),
+        list(LockEvent.objects.order_by("pk").values_list()),
+    )
+
+
+@pytest.fixture
+def hostile_state(settings):
+    """A held lock (what distlock_break and distlock_failover would end), an idle one and
+    audit events old enough for any purge (what distlock_purge would delete)."""
+    settings.DISTLOCK_AUDIT = True
+    lease = acquire("busy", ttl=600)
+    acquire("idle", ttl=30).release()
+    LockEvent.objects.update(at_us=1)  # 1970: older than any age a purge is given
+    Lock.objects.filter(name="idle").update(expires_us=1)  # idle since 1970
+    yield
+    lease.release()
+
+
+@pytest.mark.parametrize(("command", "args", "option", "value"), list(_numeric_cases()))
+def test_every_numeric_option_refuses_hostile_values_and_changes_nothing(
+    hostile_state, command, args, option, value
+):
+    """Issue 27 item 7: ``distlock_list --limit 99999999999999999999`` was a DataError
+    (PostgreSQL), a ProgrammingError (MariaDB) or an IntegrityError (SQLite) traceback.
+    Every numeric option of every command gives a CommandError naming the option, and
+    nothing changes. ``--option=value``: argparse would take "-inf" for an option."""
+    before = _everything()
+    with pytest.raises(CommandError) as raised:
+        run(command, *args, f"{option}={value}")
+    message = str(raised.value)
+    assert option.lstrip("-") in message and "Traceback" not in message
+    assert len(message) < 1000, message  # a 5,000-digit value is not repeated in full
+    assert _everything() == before
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "dest", "value"),
+    [
+        ("distlock_list", [], "limit", 10**20),
+        ("distlock_list", [], "limit", -1),
+        ("distlock_list", [], "limit", 1.5),
+        ("distlock_list", [], "watch", float("nan")),
+        ("distlock_list", [], "watch", float("inf")),
+        ("distlock_list", [], "watch", 10**10),
+        ("distlock_break", ["busy"], "token", 10**20),
+        ("distlock_break", ["busy"], "token", float("nan")),
+        ("distlock_purge", [], "idle", 10**20),
+        ("distlock_purge", [], "idle", -5),
+        ("distlock_purge", [], "events", float("inf")),
+        ("distlock_doctor", [], "max_skew", float("nan")),
+        ("distlock_doctor", [], "max_skew", -1),
+        ("distlock_failover", [], "margin", 10**20),
+        ("distlock_failover", [], "margin", float("inf")),
+    ],
+)
+def test_numbers_given_to_call_command_are_checked_the_same(
+    hostile_state, command, args, dest, value
+):
+    """call_command() passes Python values where the command line passes text: an int or
+    a float gets the same CommandError, not an AttributeError or a database's error."""
+    before = _everything()
+    with pytest.raises(CommandError):
+        call_command(command, *args, **{dest: value}, stdout=StringIO(), stderr=StringIO())
+    assert _everything() == before
+
+
+def test_the_largest_values_accepted_run_on_every_backend(hostile_state):
+    """The bounds are not too tight either: each DB-touching option's largest value runs,
+    with a message rather than a database error, on SQLite, PostgreSQL and MariaDB."""
+    before = _everything()
+    listed = run("distlock_list", f"--limit={10**18}").splitlines()
+    assert [line.split()[0] for line in listed[1:]] == ["busy", "idle"]
+    assert "idle" in run("distlock_list", f"--limit={10**18}", "--prefix=idle")
+    out = run("distlock_purge", "--idle=1000000000000", "--events-older-than=1000000000000")
+    assert "Deleted 0 lock row(s)" in out and "Deleted 0 audit event(s)" in out
+    assert "distlock_doctor: no problems" in run("distlock_doctor", "--max-skew=1000000000000")
+    with pytest.raises(CommandError, match="another grant"):
+        run("distlock_break", "busy", f"--token={MAX_TOKEN}")
+    assert _everything() == before
+
+
+def test_the_numeric_options_above_are_every_numeric_option():
+    """A new option that takes a number joins NUMERIC_OPTIONS (and the test above)."""
+    from django.core.management import load_command_class
+
+    not_numbers = {
+        "--held", "--json", "--prefix", "--owner", "--database", "--skip-events", "name",
+        "--help", "--version", "--verbosity", "--settings", "--pythonpath", "--traceback",
+        "--no-color", "--force-color", "--skip-checks",
+    }
+    found = set()
+    for command in ("distlock_list", "distlock_break", "distlock_purge", "distlock_doctor",
+                    "distlock_failover"):
+        parser = load_command_class("distlock", command).create_parser("manage.py", command)
+        for action in parser._actions:
+            names = action.option_strings or [action.dest]
+            if not set(names) & not_numbers:
+                found.add((command, names[0]))
+    assert found == {(command, option) for command, _, option in NUMERIC_OPTIONS}
+    commands = {path.stem for path in (Path(settings.BASE_DIR) / "distlock" / "management"
+                                       / "commands").glob("distlock_*.py")}
+    assert commands == {command for command, _, _ in NUMERIC_OPTIONS}

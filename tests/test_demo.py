@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -216,6 +218,62 @@ def test_demo_refuses_bad_options(tmp_path, args, message):
     assert done.returncode != 0
     assert message in done.stderr
     assert not (tmp_path / "demo.sqlite3").exists()  # refused before touching anything
+
+
+def _missing_database() -> tuple[str, dict]:
+    """The URL of a database that does not exist on the test server (or, on SQLite, a
+    file in a folder that does not exist), and the server's settings."""
+    server = settings.DATABASES["default"]
+    if server["ENGINE"].endswith("sqlite3"):
+        return "sqlite:////nonexistent-distlock-folder/demo.sqlite3", server
+    auth = quote(str(server["USER"]))
+    if server.get("PASSWORD"):
+        auth += ":" + quote(str(server["PASSWORD"]))
+    scheme = "postgresql" if server["ENGINE"].endswith("postgresql") else "mysql"
+    name = f"test_distlock_missing_{uuid.uuid4().hex[:12]}"  # no run has created it
+    return f"{scheme}://{auth}@{server['HOST']}:{server['PORT']}/{name}", server
+
+
+def test_demo_on_a_database_that_does_not_exist_says_what_to_create(tmp_path):
+    """Issue 27 item 13: a 95-line traceback of migrate. Now one line naming the database,
+    the server and the command that creates it, exit status 1, nothing started."""
+    url, server = _missing_database()
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("DATABASE_URL", "CELERY_", "DJANGO_SETTINGS", "DISTLOCK_TEST"))}
+    env.update(DATABASE_URL=url, DEMO_BROKER_DIR=str(tmp_path / "broker"))
+    done = run_demo(env, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert not (tmp_path / "broker").exists()  # refused before the broker or any worker
+    if server["ENGINE"].endswith("sqlite3"):
+        assert line == ("CommandError: cannot open the demo database file "
+                        "'/nonexistent-distlock-folder/demo.sqlite3' (unable to open database "
+                        "file); check DATABASE_URL and that its folder exists")
+        return
+    name = url.rsplit("/", 1)[1]
+    where = f"{server['HOST']}:{server['PORT']}"
+    said, _, command = line.partition("; create it (or point DATABASE_URL at one that "
+                                      "exists): ")
+    assert said == f"CommandError: database {name!r} does not exist on {where}"
+    if server["ENGINE"].endswith("postgresql"):
+        assert shlex.split(command) == [
+            "createdb", "-h", server["HOST"], "-p", str(server["PORT"]), "-U", server["USER"],
+            name]
+        return
+    flags = ["mysql", "-h", server["HOST"], "-P", str(server["PORT"]), "-u", server["USER"]]
+    *given, sql = shlex.split(command)
+    assert given == [*flags, "-e"]
+    # The statement it gives creates the database the demo then finds.
+    import MySQLdb
+
+    conn = MySQLdb.connect(host=server["HOST"], port=int(server["PORT"]), user=server["USER"],
+                           password=server.get("PASSWORD") or "")
+    try:
+        conn.cursor().execute(sql)
+        conn.cursor().execute(f"DROP DATABASE `{name}`")
+    finally:
+        conn.close()
 
 
 _BIND = """

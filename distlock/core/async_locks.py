@@ -26,7 +26,10 @@ The same guarantees as the sync API, because it is the sync API's steps
   behind: if a try was in flight, it finishes in its thread and a grant it made is
   released before the CancelledError goes on. Cancellation while holding an ``alock``
   block releases the lock as the block ends (the release is shielded from the
-  cancellation). Only a process that dies leaves its lease to expire.
+  cancellation). A cancellation that arrives *during* a release, renewal or give-back
+  waits for it to finish and then goes on (:mod:`distlock.core.shielding`): it is never
+  swallowed, so ``task.cancel()`` ends the task and ``asyncio.timeout`` raises
+  TimeoutError. Only a process that dies leaves its lease to expire.
 """
 
 from __future__ import annotations
@@ -48,13 +51,20 @@ from distlock.backends.results import Busy
 from distlock.core import grants, uncommitted
 from distlock.core.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
 from distlock.core.leases import Lease, LostCallback
-from distlock.core.locks import LockBlock, break_lock, call_namer, name_template, purge_locks
+from distlock.core.locks import (
+    LockBlock,
+    break_lock,
+    call_namer,
+    name_template,
+    purge_locks,
+    refuse_nested,
+)
+from distlock.core.shielding import shielded
 from distlock.validation import Seconds
 from distlock.waiting.listener import AsyncWaiter
 
 P = ParamSpec("P")
 R = TypeVar("R")
-T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
@@ -102,27 +112,20 @@ def _end_block(lease: Lease) -> None:
     block_ended(lease, lease.release())
 
 
-async def _finished(task: asyncio.Future[T]) -> T:
-    """``task``'s result, waited for through any number of cancellations."""
-    while True:
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                return task.result()
-
-
 async def _try_or_give_back(request: Request) -> Lease | Busy:
-    """One try; if the caller is cancelled meanwhile, a grant the try made is released."""
+    """One try; if the caller is cancelled meanwhile, a grant the try made is released
+    before the cancellation goes on."""
     task = asyncio.ensure_future(sync_to_async(_attempt)(request))
     try:
-        return await asyncio.shield(task)
+        return await shielded(task)
     except asyncio.CancelledError:
-        # The try goes on in its thread; nobody will hold what it may grant.
-        with contextlib.suppress(Exception):
-            outcome = await _finished(task)
+        # The try has finished in its thread; nobody will hold what it granted. A
+        # cancellation during the give-back is raised once the release is done.
+        if task.done() and not task.cancelled() and task.exception() is None:
+            outcome = task.result()
             if isinstance(outcome, Lease):
-                await _finished(asyncio.ensure_future(outcome.arelease()))
+                with contextlib.suppress(Exception):
+                    await outcome.arelease()
         raise
 
 
@@ -142,12 +145,15 @@ async def aacquire(
     Waiting between tries never blocks the event loop. ``auto_renew`` renews in an
     asyncio task of the running loop (not a thread); ``on_lost`` may be a coroutine
     function. Cancelling the caller leaves no grant behind (see the module docstring).
+    Inside an ``alock`` block of the same name in this task (or a ``lock`` block of this
+    thread) it raises NestedLock at once (:func:`distlock.core.locks.refuse_nested`).
     """
     task = asyncio.current_task()
     request = Request(
         name, ttl, blocking, timeout, using,
         f"task={task.get_name()} {holder}".strip() if task is not None else holder,
     )
+    refuse_nested(request.name, request.alias)
     give_up = None if request.wait is None else request.began + request.wait
     attempt = 0
     waiter: AsyncWaiter | None = None
@@ -193,8 +199,9 @@ class alock(LockBlock, AsyncContextDecorator):  # noqa: N801 - reads like a func
     ttl=30, timeout=10) as lease:`` waits up to ``timeout`` seconds (without blocking the
     event loop) and raises LockTimeout if the lock cannot be had. The lock is released
     when the block ends, also on an exception or a cancellation; ``current_lease()``
-    returns the lease inside the block, in this task only. As a decorator it takes
-    ``async def`` functions only.
+    returns the lease inside the block, in this task only. Not re-entrant: a nested
+    ``alock`` of the same name in the same task raises NestedLock at once. As a
+    decorator it takes ``async def`` functions only.
     """
 
     def __call__(self, func: F) -> F:
@@ -211,7 +218,9 @@ class alock(LockBlock, AsyncContextDecorator):  # noqa: N801 - reads like a func
     ) -> None:
         lease = self._leaving()
         if lease is not None:
-            await _finished(asyncio.ensure_future(sync_to_async(_end_block)(lease)))
+            # Shielded: the release finishes even if the task is cancelled meanwhile, and
+            # then that cancellation goes on (raised here, not swallowed).
+            await shielded(sync_to_async(_end_block)(lease))
 
 
 def alocked(

@@ -20,6 +20,7 @@ from distlock.backends import backend_for
 from distlock.backends.results import Grant
 from distlock.conf import conf
 from distlock.core import uncommitted
+from distlock.core.shielding import shielded
 from distlock.exceptions import LockLost
 from distlock.times import from_us
 from distlock.validation import check_name, check_owner, check_token, check_ttl, check_using
@@ -225,13 +226,17 @@ class Lease:
 
     async def arenew(self, ttl: float | None = None) -> None:
         """renew() for async code, run as Django runs its async ORM calls (sync_to_async,
-        thread-sensitive): on the same connection, with the same checks, as in sync code."""
-        await sync_to_async(self.renew)(ttl)
+        thread-sensitive): on the same connection, with the same checks, as in sync code.
+
+        Shielded: a cancellation of the awaiting task lets the renewal finish (so the
+        lease's state is known) and is raised then (distlock/core/shielding.py)."""
+        await shielded(sync_to_async(self.renew)(ttl))
 
     async def arelease(self) -> bool:
-        """release() for async code (see :meth:`arenew`). Cancelling the awaiting task does
-        not stop a release that has started: it goes on in its thread."""
-        return await sync_to_async(self.release)()
+        """release() for async code (see :meth:`arenew`). Shielded the same way: a
+        cancellation of the awaiting task lets the release finish, then is raised, so the
+        lock is free (or known not held) by the time the CancelledError arrives."""
+        return await shielded(sync_to_async(self.release)())
 
     def _released_by_database(self, held: bool, released_us: int | None) -> None:
         self._released_at = released_us

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import inspect
@@ -23,7 +24,7 @@ from distlock.core import grants, uncommitted
 from distlock.core.batches import in_batches
 from distlock.core.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
 from distlock.core.leases import Lease, LostCallback
-from distlock.exceptions import LockTimeout
+from distlock.exceptions import LockTimeout, NestedLock
 from distlock.names import NameTemplate
 from distlock.validation import (
     Seconds,
@@ -41,15 +42,51 @@ P = ParamSpec("P")
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 
-_current: contextvars.ContextVar[tuple[Lease, ...]] = contextvars.ContextVar(
-    "distlock_leases", default=()
-)
+# The leases of the lock()/alock() blocks running here, innermost last, each with the
+# asyncio task that entered its block (None: sync code outside any task).
+_Held = tuple[tuple[Lease, asyncio.Task[Any] | None], ...]
+_current: contextvars.ContextVar[_Held] = contextvars.ContextVar("distlock_leases", default=())
 
 
 def current_lease() -> Lease | None:
     """The lease of the innermost ``lock()`` block (or locked task) running here, if any."""
     leases = _current.get()
-    return leases[-1] if leases else None
+    return leases[-1][0] if leases else None
+
+
+def _running_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no event loop runs in this thread
+        return None
+
+
+def refuse_nested(name: str, alias: str) -> None:
+    """Raise NestedLock if a ``lock()``/``alock()`` block holding ``name`` in ``alias``'s
+    database (through any alias) runs here: in this thread, or in this asyncio task.
+
+    The holder is the thread (sync code) or the asyncio task (async code) that entered the
+    block, with what it runs on its own behalf and carries its context: sync code called
+    through ``sync_to_async`` from the task, a coroutine run through ``async_to_sync`` (or
+    ``asyncio.run``) from the thread. A task *created* inside the block inherits a copy of
+    the context but is another holder: its acquire waits for the block to end, as any
+    other holder's would (sync code it runs through ``sync_to_async`` cannot be told from
+    its creator's and counts as the creator's). A block whose lease was released or lost
+    inside it does not count. Leases from ``acquire()`` held without a block are not
+    tracked: a lease may be handed to another thread.
+    """
+    held = _current.get()
+    if not held:
+        return
+    task = _running_task()
+    for lease, entered_in in reversed(held):
+        if (
+            lease.name == name
+            and (entered_in is task or entered_in is None or task is None)
+            and not lease._released and not lease.lost
+            and db.same_database(lease.using, alias)
+        ):
+            raise NestedLock(name, lease.token, lease.owner)
 
 
 def refuse_async(func: object, decorator: str) -> None:
@@ -94,15 +131,17 @@ def acquire(
     lease length, counted by the database clock. ``auto_renew`` renews in a helper
     thread; ``on_lost(lease, exc)`` is called there if a renewal fails.
 
-    Raises TypeError/ValueError for bad arguments (nothing is written),
-    TransactionNotAllowed inside ``atomic()`` (or with autocommit off) on the lock's
-    database or while this thread's open transaction holds an uncommitted fenced write
-    under the same lock, TokenExhausted when
-    the 64-bit token would overflow, and database errors as Django raises them — except
+    Raises TypeError/ValueError for bad arguments (nothing is written), NestedLock at
+    once inside a ``lock()`` block of the same name in this thread (see
+    :func:`refuse_nested`), TransactionNotAllowed inside ``atomic()`` (or with autocommit
+    off) on the lock's database or while this thread's open transaction holds an
+    uncommitted fenced write under the same lock, TokenExhausted when the 64-bit token
+    would overflow, and database errors as Django raises them — except
     a wait for the lock row cut short by the connection's own ``lock_timeout``,
     ``statement_timeout`` or ``innodb_lock_wait_timeout``, which counts as busy.
     """
     request = Request(name, ttl, blocking, timeout, using, holder)
+    refuse_nested(request.name, request.alias)
     uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
     give_up = None if request.wait is None else request.began + request.wait
     # The holder's clock starts before the request leaves, so its deadline is never
@@ -199,7 +238,7 @@ class LockBlock:
             "holder": holder, "auto_renew": auto_renew, "on_lost": on_lost,
         }
         self.lease: Lease | None = None
-        self._token: contextvars.Token[tuple[Lease, ...]] | None = None
+        self._token: contextvars.Token[_Held] | None = None
 
     def _recreate_cm(self) -> Any:
         # A decorated function may run in several threads (or tasks) at once: one lock
@@ -210,7 +249,7 @@ class LockBlock:
         if lease is None:
             raise LockTimeout(self.name, grants.wait_limit(self._options["timeout"]))
         self.lease = lease
-        self._token = _current.set((*_current.get(), lease))
+        self._token = _current.set((*_current.get(), (lease, _running_task())))
         return lease
 
     def _leaving(self) -> Lease | None:
@@ -226,7 +265,9 @@ class lock(LockBlock, ContextDecorator):  # noqa: N801 - reads like a function, 
 
     ``with lock("invoice:42", ttl=30, timeout=10) as lease:`` waits up to ``timeout``
     seconds and raises LockTimeout if the lock cannot be had (``timeout=0`` tries once).
-    The lock is released when the block ends, also on an exception. If the lease was
+    The lock is released when the block ends, also on an exception. Not re-entrant: a
+    nested ``lock()`` of the same name in the same thread raises NestedLock at once
+    (use the outer lease). If the lease was
     lost on the way (expired, broken), leaving the block logs a warning and sends
     ``lock_lost``; it does not raise, because the block's work is done by then — guard
     writes with fencing (``save(fence=lease)``) to make a stale holder's writes fail.

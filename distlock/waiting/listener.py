@@ -262,9 +262,10 @@ class AsyncWaiter:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         state.waiting.append(future)
         try:
-            await asyncio.wait_for(asyncio.shield(future), seconds)
-        except TimeoutError:
-            pass
+            # Not asyncio.wait_for: on Python 3.11 it returns the result, swallowing the
+            # cancellation, when the future is set (a wake-up) as the task is cancelled.
+            # asyncio.wait neither swallows a cancellation nor cancels the future.
+            await asyncio.wait((future,), timeout=seconds)
         except asyncio.CancelledError:
             # Woken and cancelled at once: pass the wake-up on, or it is lost for all.
             if future.done() and self.listener is not None:

@@ -8,9 +8,10 @@ what needs the app registry is imported inside the function that uses it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -166,3 +167,119 @@ def assert_freed_by_release(name: str, start: dict[str, Any]) -> None:
     following = acquire(name, ttl=30, blocking=False)
     assert following is not None and following.token == start["token"] + 1
     assert following.release() is True
+
+
+class RowHolder:
+    """Another connection holding lock ``name``'s row (on SQLite: the write lock) in an open
+    transaction, from entering the block until :meth:`let_go` (or the block's end).
+
+    A lock operation on the name meanwhile waits in the database: ``SELECT … FOR UPDATE``
+    on PostgreSQL and MariaDB, a ``BEGIN IMMEDIATE`` write transaction on SQLite (whose
+    busy timeout, 30 s in the test settings, outlasts any test).
+    """
+
+    def __init__(self, name: str, hold_for: float = 60.0) -> None:
+        self.name = name
+        self.hold_for = hold_for
+        self.holding = threading.Event()
+        self.go_on = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _hold(self) -> None:
+        from django.db import transaction
+
+        from distlock.models import Lock
+
+        with transaction.atomic():
+            list(Lock.objects.select_for_update().filter(name=self.name))
+            self.holding.set()
+            self.go_on.wait(self.hold_for)
+
+    def __enter__(self) -> RowHolder:
+        self.thread = start_thread(self._hold)
+        if not self.holding.wait(10):
+            self.let_go()
+            raise AssertionError(f"the row of {self.name!r} was not locked within 10 s")
+        return self
+
+    def let_go(self) -> None:
+        """End the holding transaction (the waiting operation goes on)."""
+        self.go_on.set()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.let_go()
+        if self.thread is not None:
+            self.thread.join(30)
+
+
+def lock_waits(alias: str = "default") -> int:
+    """How many sessions of the test database wait for a row lock now, sessions of the
+    server's other databases not counted. PostgreSQL: waiting on a lock by
+    pg_stat_activity. MariaDB: running a locking read (``FOR UPDATE``, as distlock's
+    procedures do first) — information_schema.innodb_trx misses a session that waits in
+    the optimizer's read of a unique key ("Statistics"), so the process list is read.
+    SQLite: always 0 (its waits are in the client's busy handler, invisible to others)."""
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"
+            )
+        elif connection.vendor == "mysql":
+            cursor.execute(
+                "SELECT COUNT(*) FROM information_schema.processlist WHERE db = DATABASE() "
+                "AND id <> CONNECTION_ID() AND command = 'Query' AND info LIKE %s",
+                ["%FOR UPDATE%"],
+            )
+        else:
+            return 0
+        return int(cursor.fetchone()[0])
+
+
+async def off_loop(work: Callable[[], T]) -> T:
+    """Run the sync ``work`` in a thread of its own connections (closed after it), neither
+    on the loop nor in Django's sync layer (which may be busy with the operation under
+    test)."""
+
+    def target() -> T:
+        try:
+            return work()
+        finally:
+            connections.close_all()
+
+    return await asyncio.to_thread(target)
+
+
+@contextlib.asynccontextmanager
+async def sync_layer_statements() -> AsyncIterator[list[str]]:
+    """The SQL that Django's sync layer (``sync_to_async``, thread-sensitive: where the async
+    API runs its database operations) sends while the block runs, each recorded as it
+    starts, before the database answers."""
+    sent: list[str] = []
+
+    def watch(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        sent.append(sql)
+        return execute(sql, params, many, context)
+
+    def add() -> None:
+        connections["default"].execute_wrappers.append(watch)
+
+    def remove() -> None:
+        connections["default"].execute_wrappers.remove(watch)
+
+    await sync_to_async(add)()
+    try:
+        yield sent
+    finally:
+        await sync_to_async(remove)()
+
+
+async def wait_for(condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
+    """Await until ``condition()`` is true, looking every few milliseconds without blocking
+    the loop; fail the test (AssertionError) after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or 'condition'} not met within {timeout} s")
+        await asyncio.sleep(0.005)

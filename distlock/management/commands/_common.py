@@ -19,53 +19,74 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
-def parse_duration(text: str, what: str) -> timedelta:
+def _text(value: object) -> str:
+    """An option's value as text: call_command() may pass a number (or anything else)
+    where the command line gives a str, and it gets the same checks and messages."""
+    return value if isinstance(value, str) else str(value)
+
+
+def quoted(text: str) -> str:
+    """``text`` quoted for a message, cut short if it is long (a value of 5,000 digits
+    is not repeated in full)."""
+    if len(text) <= 40:
+        return repr(text)
+    return f"{text[:40]!r}… ({len(text):,} characters)"
+
+
+def parse_duration(text: object, what: str) -> timedelta:
     """"90", "90s", "15m", "12h", "7d", "2w" or a sum like "1h30m" -> timedelta.
 
     Raises CommandError (non-zero exit) for anything else, including negative numbers.
     """
+    text = _text(text)
     value = text.strip().lower()
     if not value or _DURATION.sub("", value):
         raise CommandError(
-            f"{what}: {text!r} is not a duration; use seconds or a number with s, m, h, d "
-            "or w, e.g. 90, 15m, 12h, 7d, 1h30m"
+            f"{what}: {quoted(text)} is not a duration; use seconds or a number with s, m, h, "
+            "d or w, e.g. 90, 15m, 12h, 7d, 1h30m"
         )
     seconds = sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(value))
     # Checked here, before timedelta() could raise OverflowError (a traceback, not a
     # message) and before any command deletes anything with the first of its durations.
     if not seconds <= MAX_SECONDS:
         raise CommandError(
-            f"{what}: {text!r} is too long; durations are limited to {MAX_SECONDS:,} s "
+            f"{what}: {quoted(text)} is too long; durations are limited to {MAX_SECONDS:,} s "
             "(about 31,700 years)"
         )
     return timedelta(seconds=seconds)
 
 
-def parse_int(text: str, what: str) -> int:
+def parse_int(text: object, what: str) -> int:
     """A whole number in ASCII digits, e.g. a token; CommandError for anything else.
 
     Parsed here rather than by argparse (``type=int``), whose error exits with status 2
-    and a usage line instead of the CommandError every other bad value gets.
+    and a usage line instead of the CommandError every other bad value gets. Not bounded
+    here: each caller checks its own range before a database sees the number.
     """
+    text = _text(text)
     value = text.strip()
     if not _INTEGER.fullmatch(value):
-        raise CommandError(f"{what}: {text!r} is not a whole number")
-    return int(value)
+        raise CommandError(f"{what}: {quoted(text)} is not a whole number")
+    try:
+        return int(value)
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits())
+        raise CommandError(f"{what}: {quoted(text)} has too many digits") from None
 
 
-def parse_seconds(text: str, what: str) -> float:
+def parse_seconds(text: object, what: str) -> float:
     """A number of seconds such as "1", "0.25" or "1e-3", between 0 and MAX_SECONDS.
 
     CommandError for anything else, including NaN, infinity and numbers too large for a
     float ("1e400" parses as infinity).
     """
+    text = _text(text)
     try:
         seconds = float(text)
     except ValueError:
         seconds = math.nan
     if not 0 <= seconds <= MAX_SECONDS:
         raise CommandError(
-            f"{what}: {text!r} is not a number of seconds between 0 and {MAX_SECONDS:,}"
+            f"{what}: {quoted(text)} is not a number of seconds between 0 and {MAX_SECONDS:,}"
         )
     return seconds
 

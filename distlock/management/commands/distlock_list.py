@@ -20,14 +20,26 @@ from django.db.models import QuerySet
 from distlock.admin.search import search
 from distlock.core.status import FREE, HELD, LockWithState, describe, locks, relative, state_is
 from distlock.db import db_now_us
-from distlock.management.commands._common import LockCommand, parse_int, parse_seconds
+from distlock.management.commands._common import (
+    LockCommand,
+    parse_int,
+    parse_seconds,
+    quoted,
+)
 
 COLUMNS = ["name", "state", "token", "holder", "expires", "renews"]
 WATCH_SECONDS = 2.0
 # The shortest pause between tables: a watch must not turn into a busy loop on the lock
 # table (each table is one scan of it).
 WATCH_MIN = 0.2
+# The longest pause between tables: longer than time.sleep() accepts (about 292 years)
+# was a traceback after the first table, and nobody watches a table once a day.
+WATCH_MAX = 86_400.0
 LIMIT = 1000
+# The largest --limit: the count of the rest reads rows[limit:limit + MORE_CAP], and an
+# OFFSET past a signed 64-bit integer was a DataError (PostgreSQL), a ProgrammingError
+# (MariaDB) or an IntegrityError (SQLite) instead of a message. No table comes near it.
+MAX_LIMIT = 10**18
 # Rows past the limit are counted up to this many: "10,000 or more" is what an operator
 # needs to know (narrow with --prefix), and the count reads at most this many rows.
 MORE_CAP = 10_000
@@ -74,7 +86,7 @@ class Command(LockCommand):
             self.stdout.write("")
 
     @staticmethod
-    def _watch_seconds(raw: str | None, as_json: bool) -> float | None:
+    def _watch_seconds(raw: object, as_json: bool) -> float | None:
         if raw is None:
             return None
         if as_json:
@@ -82,13 +94,22 @@ class Command(LockCommand):
         seconds = parse_seconds(raw, "--watch")
         if seconds < WATCH_MIN:
             raise CommandError(f"--watch: {raw!r} is too short; at least {WATCH_MIN:g} s")
+        if seconds > WATCH_MAX:
+            raise CommandError(
+                f"--watch: {quoted(str(raw))} is too long; at most {WATCH_MAX:,g} s (a day)"
+            )
         return seconds
 
     @staticmethod
-    def _limit(raw: str) -> int | None:
+    def _limit(raw: object) -> int | None:
         limit = parse_int(raw, "--limit")
         if limit < 0:
-            raise CommandError(f"--limit: {raw!r} is negative; 0 lists every lock")
+            raise CommandError(f"--limit: {quoted(str(raw))} is negative; 0 lists every lock")
+        if limit > MAX_LIMIT:
+            raise CommandError(
+                f"--limit: {quoted(str(raw))} is too large; at most {MAX_LIMIT:,} "
+                "(0 lists every lock)"
+            )
         return limit or None
 
     def _table(

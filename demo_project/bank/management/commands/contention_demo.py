@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import signal
 import time
 import uuid
@@ -21,6 +22,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import OperationalError, connections
 
 from demo_project.bank.interpreter import python_command
 from demo_project.bank.workers import RUNNERS, Workers
@@ -175,6 +177,7 @@ class Command(BaseCommand):
         """Migrate (the embedded SQLite database starts empty) and create the demo login."""
         from demo_project.celery import prepare_broker_folders
 
+        _connect()
         call_command("migrate", interactive=False, verbosity=0)
         prepare_broker_folders()
         users = get_user_model()
@@ -334,6 +337,46 @@ class Command(BaseCommand):
             "overwrites the newer holder's deposit."
         )
         return report.write(path, {"run": run}, results, pictures, intro)
+
+
+def _connect() -> None:
+    """Connect to the demo's database before anything else uses it: a database that is
+    not there is one line saying what to create, not migrate's 95-line traceback."""
+    connection = connections["default"]
+    try:
+        connection.ensure_connection()
+    except OperationalError as exc:
+        raise CommandError(unreachable(connection.settings_dict, exc)) from None
+
+
+def unreachable(entry: dict[str, Any], exc: Exception) -> str:
+    """What to do about a failed connection to the database ``entry`` describes."""
+    name = str(entry["NAME"])
+    host = f"{entry.get('HOST') or 'localhost'}:{entry.get('PORT') or 'default port'}"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    engine = str(entry["ENGINE"])
+    if engine.endswith("sqlite3"):
+        return (f"cannot open the demo database file {name!r} ({reason}); check "
+                "DATABASE_URL and that its folder exists")
+    if engine.endswith("postgresql") and f'database "{name}" does not exist' in str(exc):
+        create = ["createdb"] + _flags(entry, "-h", "-p", "-U") + [name]
+    elif engine.endswith("mysql") and exc.args[:1] == (1049,):  # ER_BAD_DB_ERROR
+        create = ["mysql"] + _flags(entry, "-h", "-P", "-u") + [
+            "-e", f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"]
+    else:
+        return (f"cannot connect to the demo database {name!r} on {host} ({reason}); "
+                "check DATABASE_URL and that the server is running")
+    return (f"database {name!r} does not exist on {host}; create it (or point "
+            f"DATABASE_URL at one that exists): {shlex.join(create)}")
+
+
+def _flags(entry: dict[str, Any], host: str, port: str, user: str) -> list[str]:
+    """The client's host, port and user options for the database ``entry`` describes."""
+    flags = []
+    for flag, key in ((host, "HOST"), (port, "PORT"), (user, "USER")):
+        if entry.get(key):
+            flags += [flag, str(entry[key])]
+    return flags
 
 
 def _drop_queue(queue: str, runner: str) -> None:
