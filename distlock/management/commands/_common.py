@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
 import math
 import re
+import socket
 import sys
 from datetime import timedelta
 from typing import Any
@@ -125,3 +127,12 @@ class LockCommand(BaseCommand):
 
     def run(self, alias: str, **options: Any) -> None:
         raise NotImplementedError
+
+
+def who(command: str) -> str:
+    """Who ran ``command``, for the audit's "by" (user at host)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no $USER, e.g. in some containers
+        user = "?"
+    return f"manage.py {command} ({user}@{socket.gethostname()})"

@@ -5,24 +5,14 @@ Exits non-zero when nothing was broken.
 
 from __future__ import annotations
 
-import getpass
-import socket
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
 from distlock.core.locks import break_lock
-from distlock.management.commands._common import LockCommand, parse_int
+from distlock.management.commands._common import LockCommand, parse_int, who
 from distlock.models import Lock
 from distlock.validation import check_name
-
-
-def _who() -> str:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry and no $USER, e.g. in some containers
-        user = "?"
-    return f"manage.py distlock_break ({user}@{socket.gethostname()})"
 
 
 class Command(LockCommand):
@@ -39,7 +29,7 @@ class Command(LockCommand):
         try:
             name = check_name(options["name"])
             broken = break_lock(
-                name, owner=options["owner"], token=token, using=alias, by=_who()
+                name, owner=options["owner"], token=token, using=alias, by=who("distlock_break")
             )
         except (TypeError, ValueError) as exc:
             raise CommandError(str(exc)) from exc

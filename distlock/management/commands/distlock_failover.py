@@ -9,24 +9,14 @@ runbook and how to choose the margin are in docs/deployment.md.
 
 from __future__ import annotations
 
-import getpass
-import socket
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
 from distlock.exceptions import TokenExhausted
-from distlock.management.commands._common import LockCommand, parse_int
+from distlock.management.commands._common import LockCommand, parse_int, who
 from distlock.ops.failover import DEFAULT_MARGIN, check_margin, raise_tokens
-
-
-def _who() -> str:
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry and no $USER, e.g. in some containers
-        user = "?"
-    return f"manage.py distlock_failover ({user}@{socket.gethostname()})"
 
 
 class Command(LockCommand):
@@ -44,7 +34,7 @@ class Command(LockCommand):
             margin = parse_int(margin, "--margin")
         try:
             margin = check_margin(margin)
-            raised = raise_tokens(margin=margin, using=alias, by=_who())
+            raised = raise_tokens(margin=margin, using=alias, by=who("distlock_failover"))
         except (TypeError, ValueError) as exc:
             raise CommandError(f"--margin: {exc}") from exc
         except TokenExhausted as exc:
