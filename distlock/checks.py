@@ -8,7 +8,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
 
-from distlock.backends import backend_named
+from distlock.backends import backend_named, supported
 from distlock.conf import conf
 from distlock.validation import positive_seconds
 
@@ -74,7 +74,7 @@ def check_database(
     if alias not in settings.DATABASES:
         return []  # reported by E001
     connection = connections[alias]
-    backend = backend_named(connection.vendor)
+    backend = supported(connection)
     collation = None
     if backend is not None and alias in (databases or ()):
         collation = backend.name_collation(connection)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import models
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends import backend_named
+from distlock.backends import supported
 from distlock.constants import (
     EVENT_TABLE,
     FLOOR_ID,
@@ -42,7 +42,7 @@ class LockNameField(_CharField):
 
     def db_parameters(self, connection: BaseDatabaseWrapper) -> dict[str, Any]:
         params = super().db_parameters(connection)
-        backend = backend_named(connection.vendor)
+        backend = supported(connection)
         collation = None if backend is None else backend.name_field_collation(connection)
         if collation is not None:
             params["collation"] = collation

@@ -48,6 +48,12 @@ def _load(vendor: str) -> Backend | None:
     return backend() if backend.vendor == vendor else None
 
 
+def supported(connection: BaseDatabaseWrapper) -> Backend | None:
+    """The backend of ``connection``'s database, or None where distlock has none (the
+    system checks and migrations report or skip such a database instead of failing)."""
+    return backend_named(connection.vendor)
+
+
 def backend_for(connection: BaseDatabaseWrapper) -> Backend:
     """The backend of ``connection``'s database. Raises NotImplementedError if distlock
     does not support it.

@@ -20,7 +20,7 @@ from typing import Any
 
 from django.db.migrations.operations.base import Operation
 
-from distlock.backends import backend_named
+from distlock.backends import supported
 from distlock.backends.base import Backend
 from distlock.backends.postgresql import fence_trigger_name
 from distlock.constants import FENCE_FIELD
@@ -50,7 +50,7 @@ class RefuseLowerFenceToken(Operation):
         """(backend, model) if the trigger belongs on this database, else None."""
         model = state.apps.get_model(app_label, self.model_name)
         connection = schema_editor.connection
-        backend = backend_named(connection.vendor)
+        backend = supported(connection)
         if backend is None or not backend.fence_trigger:
             return None
         if not self.allow_migrate_model(connection.alias, model):
