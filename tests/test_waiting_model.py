@@ -100,10 +100,12 @@ TTLS = (0.6, 1.5, 4.0)
 TIMEOUTS = (0.3, 1.5, 4.0, 10.0, 10.0)  # most waits outlast a few hand-offs
 CLASSES = (ALIVE_CLASS, QUEUE_CLASS, ENTRY_CLASS)
 # Every session holding or awaiting a lock of the queue's classes, or owning a queue
-# row; ``leak``: the lock is only the shared lock of an entry no longer queued (below).
+# row; ``leak``: the lock is only the shared lock of an entry whose waiter is gone (left,
+# or its session ended: a dead waiter's row stays until someone cleans up), see below.
 QUEUE_HOLDERS = (
     "SELECT l.pid, l.classid::bigint = %s AND l.mode = 'ShareLock' AND l.granted "
-    "AND NOT EXISTS (SELECT 1 FROM distlock_waiter w WHERE w.id %% 2147483648 = l.objid::bigint)"
+    "AND NOT EXISTS (SELECT 1 FROM distlock_waiter w JOIN pg_stat_activity a ON a.pid = w.pid"
+    " WHERE w.id %% 2147483648 = l.objid::bigint)"
     " FROM pg_locks l WHERE l.locktype = 'advisory' AND l.classid::bigint = ANY(%s::bigint[])"
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     " UNION ALL SELECT w.pid, false FROM distlock_waiter w WHERE EXISTS "
