@@ -614,6 +614,11 @@ def test_every_step_of_the_queue_gives_its_locks_back_when_cut_short():
         assert queued > 0
         assert {c for c, _ in raw.execute(owned, [pid])} == {ENTRY_CLASS, QUEUE_CLASS,
                                                               1684825975}
+        # A reservation for the waiter, as a hand-off leaves it: leaving must pass it on,
+        # which waits for the lock row.
+        raw.execute("UPDATE distlock_lock SET reserved_pid = %s, reserved_until_us = "
+                    "(extract(epoch FROM clock_timestamp()) * 1e6)::bigint + 5000000 "
+                    "WHERE name = 'cut'", [pid])
         raw.execute("BEGIN")
         raw.execute("SELECT 1 FROM distlock_lock WHERE name = 'cut' FOR UPDATE")
         waiter.execute("SET lock_timeout = '100ms'")
