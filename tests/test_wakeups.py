@@ -20,7 +20,9 @@ from django.db import connection
 from distlock import aacquire, acquire, break_lock
 from distlock.conf import DEFAULTS
 from distlock.db import db_now_us
+from tests.support.helpers import raw_postgres as _raw
 from tests.support.helpers import run_async, us, wait_until
+from tests.support.pgbouncer import ENTRY_CLASS, QUEUE_CLASS, WAKEUP_CLASS
 
 pytestmark = [
     pytest.mark.usefixtures("lock_db"),
@@ -31,21 +33,8 @@ pytestmark = [
 ]
 
 POLL = 6.0  # the waiter's pause: 3-6 s with jitter
-WAKEUP_CLASS = 1684825963
-QUEUE_CLASS = 1684825969  # distlock_queue's "someone is queued" (migration 0007)
-ENTRY_CLASS = 1684825957  # a queue entry's lock, held by its waiter (migration 0009)
 # How many of a queue's first waiters LISTEN by default (migration 0011); 1 is 0009's chain.
 LISTENERS = DEFAULTS["DISTLOCK_LISTENING_WAITERS"]
-
-
-def _raw():
-    """A session outside Django, to watch the waiter and play one by hand."""
-    import psycopg
-
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    return psycopg.connect(**params, autocommit=True)
 
 
 def _registered(raw, pid: int) -> bool:
@@ -625,6 +614,11 @@ def test_every_step_of_the_queue_gives_its_locks_back_when_cut_short():
         assert queued > 0
         assert {c for c, _ in raw.execute(owned, [pid])} == {ENTRY_CLASS, QUEUE_CLASS,
                                                               1684825975}
+        # A reservation for the waiter, as a hand-off leaves it: leaving must pass it on,
+        # which waits for the lock row.
+        raw.execute("UPDATE distlock_lock SET reserved_pid = %s, reserved_until_us = "
+                    "(extract(epoch FROM clock_timestamp()) * 1e6)::bigint + 5000000 "
+                    "WHERE name = 'cut'", [pid])
         raw.execute("BEGIN")
         raw.execute("SELECT 1 FROM distlock_lock WHERE name = 'cut' FOR UPDATE")
         waiter.execute("SET lock_timeout = '100ms'")

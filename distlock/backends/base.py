@@ -20,6 +20,7 @@ Times are integer microseconds since the Unix epoch, by the database clock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage
@@ -84,9 +85,40 @@ class Backend(TokenFloorSQL, IndexSQL):
         """``folded_owner_check_sql`` where this server can run it (None: it cannot)."""
         return self.folded_owner_check_sql
 
-    def name_equals_sql(self, sql: str) -> str:
-        """``sql = %s`` compared exactly, false (not NULL) when ``sql`` is NULL."""
-        return f"COALESCE(({sql}) = %s, 0)"
+    #: SQL's false in a WHERE condition (COALESCE's fallback of the name test).
+    false_sql: ClassVar[str] = "0"
+
+    def exact_equals_sql(self, sql: str) -> str:
+        """``sql = %s`` compared byte for byte whatever ``sql``'s collation (NULL when
+        ``sql`` is NULL). No portable form: SQL's ``=`` follows the column's collation,
+        and each vendor names its exact one differently."""
+        raise NotImplementedError
+
+    def column_equality_is_safe(self, name: str) -> bool:
+        """Whether ``column = %s`` with ``name`` runs on any text column (see
+        :meth:`name_equals_sql`); where it could raise an error instead of matching no
+        row, the name test is the exact comparison alone."""
+        return True
+
+    def name_equals_sql(
+        self, sql: str, params: Sequence[Any], name: str, *, column: bool,
+    ) -> tuple[str, tuple[Any, ...]]:
+        """``<sql> = name``, compared byte for byte under any collation of ``sql``'s
+        columns, false (never NULL) when ``sql`` is NULL: (SQL, params).
+
+        A folding collation (NOCASE, RTRIM, MariaDB's ``_ci`` and PAD SPACE ones, a
+        PostgreSQL nondeterministic one) makes the column's own ``=`` true for another
+        lock's name (``ABC`` for ``abc``), so the comparison that decides is
+        :meth:`exact_equals_sql`. When ``sql`` is one ``column``, the column's own ``=``
+        goes first as well: the column's index finds the row by it (a COALESCE or a
+        changed collation around the column is no index condition), and the exact
+        comparison refuses a folded match. ``NULL AND false`` is false, so the pair is
+        never NULL either (NOT of it is true for a NULL name, as the refusals need).
+        """
+        exact = f"COALESCE({self.exact_equals_sql(sql)}, {self.false_sql})"
+        if not column or not self.column_equality_is_safe(name):
+            return exact, (*params, name)
+        return f"({sql} = %s AND {exact})", (*params, name, *params, name)
 
     def retryable(self, exc: DatabaseError) -> bool:
         """Did the database abort the whole transaction (serialization failure, deadlock),

@@ -97,9 +97,16 @@ class MySQL(Backend):
                     "ALGORITHM=INPLACE LOCK=NONE")
         return f"DROP INDEX IF EXISTS {RARE_EVENTS_INDEX} ON {EVENT_TABLE}"
 
-    def name_equals_sql(self, sql: str) -> str:
-        # The default collations fold case, accents and trailing spaces.
-        return f"COALESCE(CAST({sql} AS BINARY) = CAST(%s AS BINARY), 0)"
+    def exact_equals_sql(self, sql: str) -> str:
+        # The default collations fold case, accents and trailing spaces (PAD SPACE, the
+        # _bin ones too); binary strings compare byte for byte and pad nothing.
+        return f"CAST({sql} AS BINARY) = CAST(%s AS BINARY)"
+
+    def column_equality_is_safe(self, name: str) -> bool:
+        # A column in a smaller character set than the connection's (utf8mb3, latin1)
+        # compared with a name it cannot hold raises "Illegal mix of collations" (1267)
+        # instead of matching no row. Every character set holds ASCII.
+        return name.isascii()
 
     def retryable(self, exc: DatabaseError) -> bool:
         return bool(exc.args) and exc.args[0] in _RETRY_CODES

@@ -101,8 +101,14 @@ class PostgreSQL(Backend):
         # clock_timestamp() moves during a transaction; now() is frozen at its start.
         return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000 AS BIGINT)"
 
-    def name_equals_sql(self, sql: str) -> str:
-        return f"COALESCE(({sql}) = %s, FALSE)"
+    false_sql = "FALSE"
+
+    def exact_equals_sql(self, sql: str) -> str:
+        # A nondeterministic collation (ICU, ``deterministic = false``) makes '=' fold case,
+        # accents or canonical equivalents; "C" compares bytes. On the left operand, after
+        # a cast to text: an explicit collation on both sides would be an error ("collation
+        # mismatch") and citext's '=' folds case under any collation.
+        return f'(({sql})::text COLLATE "C") = %s'
 
     def retryable(self, exc: DatabaseError) -> bool:
         return getattr(exc.__cause__, "sqlstate", None) in _RETRY_SQLSTATES

@@ -124,6 +124,11 @@ class SQLite(Backend):
     def now_sql(self) -> str:
         return NOW
 
+    def exact_equals_sql(self, sql: str) -> str:
+        # A column declared COLLATE NOCASE (ASCII case) or RTRIM (trailing spaces) folds
+        # '='; an explicit COLLATE on an operand wins over the column's, the left one first.
+        return f"({sql}) COLLATE BINARY = %s"
+
     def sql(self, template: str) -> str:
         return _render(template, self.now_sql())
 

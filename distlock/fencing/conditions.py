@@ -3,7 +3,7 @@
 Every fenced write (``save(fence=)``'s UPDATE, ``fenced_update``, the claim before a
 fenced delete) narrows its rows with :meth:`Fence.narrow`, the one builder of
 
-    fence_token <= :token  AND  <row's lock name> = :name
+    fence_token <= :token  AND  <row's lock name> = :name   (byte for byte: SameName)
     [AND <row's lock name after the update> = :name]  [AND <ownership check>]
 
 so that all write forms decide alike. :class:`NameTest` is how a write tells the rows of
@@ -181,6 +181,22 @@ def pinned(query: Any) -> list[tuple[Any, Any]]:
     ]
 
 
+def _unpinned(column: tuple[Any, int | str] | None, pins: Pins) -> tuple[Any, int | str] | None:
+    """The one-column name test ``column`` a write pinned by ``pins`` still needs: None
+    when a pin is that test already.
+
+    Only an integer pin is: ``filter(pk=42)`` under lock ``"account:42"`` selects
+    exactly the row whose ``id`` is 42. A text pin is not, whatever its value: the
+    column's ``=`` follows its collation, and a folding one (MariaDB's default
+    ``utf8mb4_general_ci``, a PostgreSQL nondeterministic ICU collation, SQLite's NOCASE
+    or RTRIM) makes ``filter(key="abc")`` find the row ``"ABC"``, another lock's (DESIGN
+    invariant 10). Its name test stays, the exact comparison of ``SameName``.
+    """
+    if column is not None and isinstance(column[1], int) and column in pins:
+        return None
+    return column
+
+
 class Fence(NamedTuple):
     """The fenced condition of one write: the rows a lease with ``token`` may write.
 
@@ -215,9 +231,7 @@ class Fence(NamedTuple):
         if pins is None:
             pins = pinned(rows.query)
         if self.holds is not None and pins and self.name.direct:
-            # filter(pk=42) with lock "account:42": the name condition is already there.
-            column = None if self.name.column in pins else self.name.column
-            return self._narrow_directly(rows, column, self.holds)
+            return self._narrow_directly(rows, _unpinned(self.name.column, pins), self.holds)
         condition = Q(fence_token__lte=self.token)
         for part in (self.name.q, self.name.after):
             if part is not None:

@@ -17,13 +17,14 @@ Every piece of SQL that differs between databases comes from the connection's ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from django.apps import apps
 from django.db import connections, models, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models.expressions import Expression
+from django.db.models.expressions import Col, Expression
+from django.db.models.lookups import Lookup
 
 from distlock import db, signals
 from distlock.backends import backend_for
@@ -66,25 +67,36 @@ class _Condition(Expression):
     output_field = models.BooleanField()
 
 
-class SameName(_Condition):
-    """``<lock name of the row> = %s``, compared byte for byte, never NULL."""
+class SameName(Lookup[bool]):
+    """``<lock name of the row> = %s``, compared byte for byte under any collation of the
+    columns it reads (``Backend.name_equals_sql``), never NULL.
+
+    The column's own ``=`` is no such test: a case-, accent- or pad-folding collation
+    makes it true for another lock's name (DESIGN invariant 10). A Lookup (never
+    registered on a field) rather than a plain expression: Django compares a conditional
+    expression that is not a Lookup with ``= true`` in a MariaDB/MySQL WHERE, which no
+    index serves, so the name test's column equality would find no row through the index.
+    """
+
+    lookup_name = "distlock_same_name"
+    prepare_rhs = False
+    can_use_none_as_rhs = False
 
     def __init__(self, expression: Any, name: str) -> None:
-        super().__init__()
-        self.expression = expression
-        self.name = name
+        super().__init__(expression, name)
 
-    def get_source_expressions(self) -> list[Any]:
-        return [self.expression]
-
-    def set_source_expressions(self, exprs: Sequence[Any]) -> None:
-        (self.expression,) = exprs
+    @property
+    def name(self) -> str:
+        """The lock name the rows' names are compared with."""
+        return str(self.rhs)
 
     def as_sql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra: Any
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper,
     ) -> tuple[str, tuple[Any, ...]]:
-        sql, params = compiler.compile(self.expression)
-        return backend_for(connection).name_equals_sql(sql), (*params, self.name)
+        sql, params = compiler.compile(self.lhs)
+        return backend_for(connection).name_equals_sql(
+            sql, params, self.name, column=isinstance(self.lhs, Col)
+        )
 
 
 class LeaseHolds(_Condition):

@@ -60,6 +60,17 @@ def expired_lock(name: str, holder: str = "sleepy") -> Lease:
     return lease
 
 
+def raw_postgres() -> Any:
+    """A PostgreSQL session outside Django (autocommit), to watch waiters and play one by
+    hand: the test database's connection parameters, without Django's cursor factory."""
+    import psycopg
+
+    params = connections["default"].get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return psycopg.connect(**params, autocommit=True)
+
+
 def us(moment: datetime | None) -> int | None:
     """A lease's datetime as database microseconds (the unit of the lock row's columns)."""
     if moment is None:

@@ -41,6 +41,8 @@ WAKEUP_CLASS = 1684825963
 # "this waiting session is alive" (1684825975 = "dlcw", pid).
 QUEUE_CLASS = 1684825969
 ALIVE_CLASS = 1684825975
+# A queue entry's lock, held by its waiter (migration 0009): (1684825957 = "dlce", entry).
+ENTRY_CLASS = 1684825957
 WAITING_CLASSES = [WAKEUP_CLASS, QUEUE_CLASS, ALIVE_CLASS]
 # PgBouncer tracks protocol-level prepared statements per client from 1.21
 # (max_prepared_statements); before, a statement prepared by one client stays on the server

@@ -95,3 +95,56 @@ class Slot(FencedModel):
     day = models.IntegerField()
     label = models.CharField(max_length=50)
     booked = models.IntegerField(default=0)
+
+
+# -- tests/test_collations.py: lock names over text columns whose collation the test sets --
+# Declared with the database's default collation; the collation matrix gives each column
+# the collation under test (schema_editor.alter_field) and gives the default back after.
+
+
+class CollatedChar(FencedModel):
+    """A lock named after a unique CharField (the issue's ``Counter``)."""
+
+    fence_name = "char:{key}"
+
+    key = models.CharField(max_length=50, unique=True)
+    value = models.IntegerField(default=0)
+
+
+class CollatedSlug(FencedModel):
+    """A lock named after a unique SlugField."""
+
+    fence_name = "slug:{key}"
+
+    key = models.SlugField(max_length=50, unique=True, allow_unicode=True)
+    value = models.IntegerField(default=0)
+
+
+class CollatedText(FencedModel):
+    """A lock named after a TextField: not unique (MariaDB indexes no TEXT column without a
+    prefix length), so only the pk pins one row."""
+
+    fence_name = "text:{key}"
+
+    key = models.TextField()
+    value = models.IntegerField(default=0)
+
+
+class CollatedResource(FencedModel):
+    """A text primary key that is the lock's name (the issue's ``Resource``)."""
+
+    fence_name = "resource:{name}"
+
+    name = models.CharField(max_length=50, primary_key=True)
+    value = models.IntegerField(default=0)
+
+
+class CollatedPair(FencedModel):
+    """A lock name over two text columns: the name test is an expression (a Concat), not
+    one column."""
+
+    fence_name = "pair:{left}/{right}"
+
+    left = models.CharField(max_length=50)
+    right = models.CharField(max_length=50)
+    value = models.IntegerField(default=0)
