@@ -28,11 +28,11 @@ from distlock import (
     alock,
     alocked,
     apurge_locks,
-    async_wakeups,
     current_lease,
     signals,
 )
 from distlock.models import Lock
+from distlock.waiting import listener as async_wakeups
 from tests.factories import AccountFactory
 from tests.support.helpers import run_async, wait_expired, wait_until
 from tests.testapp.models import Account
