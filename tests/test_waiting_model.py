@@ -110,30 +110,21 @@ QUEUE_HOLDERS = (
     " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     " UNION ALL SELECT w.pid, false FROM distlock_waiter w WHERE EXISTS "
     "(SELECT 1 FROM pg_stat_activity a WHERE a.pid = w.pid)")
-# A known defect, found by this test (reported; not fixed here): distlock_follow
-# (migration 0012) takes the shared lock of the entry ahead with a lock_timeout of the
-# waiter's pause; when that timeout (or a cancel) fires just as the entry is freed,
-# PostgreSQL grants the lock and raises the error all the same (LockErrorCleanup keeps
-# a lock granted during the wait), before ``holding := before`` records it, so the
-# handler does not give it back, and the session keeps a shared lock on an entry that
-# is gone until it closes. (Reproduced by hand: SIGSTOP the waiting backend, unlock the
-# entry, pg_cancel_backend() it, SIGCONT: the block ends in its handler with the lock
-# held.) Harmless to the queue's order (entry ids are never reused), but the promise is
-# "no lock of a session that does not wait". True: such locks are noted (and counted in
-# the summary line), not failed on; make it False once distlock_follow gives it back.
-FOLLOW_LEAK_UNFIXED = True
-# Known defect 2 (reported, not fixed here): a SIGINT whose KeyboardInterrupt (or psycopg's
-# cancel request, which reaches the backend after the interrupted statement ended) lands
-# in distlock_leave aborts it in its final unlocks (outside its exception block), and
-# Waiter.stop() swallows the error: the session keeps its alive, queued and entry locks
-# until it closes. True: a backend that keeps queue locks after its acquire was
-# interrupted is noted and watched no further, not failed on.
-CANCEL_LEAK_UNFIXED = True
-# Known defect 3 (MariaDB, reported): a KeyboardInterrupt raised when ``raw.query`` of a
-# CALL returns, before its result sets are read (backends/mysql.py, _RawCursor.execute),
-# leaves the connection "out of sync": every later statement on it fails with 2014. The
-# worker then closes it (Django reconnects) and says so; True: noted, not failed on.
-MARIADB_INTERRUPT_UNFIXED = True
+# Three defects this test found, fixed since; each flag, if True, would note the defect's
+# symptom instead of failing on it (kept so a regression can be looked at without the
+# test stopping at the first one):
+# 1. distlock_follow kept the shared lock of the entry it waited on when PostgreSQL
+#    granted it and raised the lock_timeout or cancel of the same moment (0012 now
+#    records the entry before the wait and asks pg_locks in its handler;
+#    test_wakeups.py::test_a_follow_granted_and_cancelled_at_the_same_moment_keeps_no_lock).
+FOLLOW_LEAK_UNFIXED = False
+# 2. A cancel landing in distlock_leave's last unlocks left the session holding its queue
+#    locks, and Waiter.stop() swallowed the error (it now closes the connection).
+CANCEL_LEAK_UNFIXED = False
+# 3. MariaDB: a KeyboardInterrupt between a CALL and reading its result sets left the
+#    connection "out of sync" (2014) for every later statement (_RawCursor.execute now
+#    closes it).
+MARIADB_INTERRUPT_UNFIXED = False
 LOCKS = ("SELECT pid, classid, objid, objsubid, mode, granted FROM pg_locks "
          "WHERE locktype = 'advisory' AND pid = ANY(%s)")
 SESSIONS = ("SELECT pid, state, wait_event_type, wait_event, backend_start, state_change, "

@@ -732,3 +732,50 @@ def test_a_polling_process_beside_queued_ones_is_told_it_starves(
     finally:
         raw.close()
     assert waiter.finish() == 0
+
+
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_follow_granted_and_cancelled_at_the_same_moment_keeps_no_lock():
+    """PostgreSQL can grant the entry lock a follower waits for and still raise the cancel
+    (or lock_timeout) that came at the same moment. The follower's backend is stopped
+    while the one ahead leaves (granting its wait) and a cancel is sent; let go on, it
+    must not keep the shared lock of that entry (before, its handler knew of the lock only
+    once the wait returned, and the session kept it: found by tests/test_waiting_model.py)."""
+    import os
+
+    from tests.support.helpers import start_thread
+
+    holder = acquire("granted-cut", ttl=60)
+    raw, ahead, waiter = _raw(), _raw(), _raw()
+    pid = waiter.info.backend_pid
+    try:
+        first = ahead.execute(
+            "SELECT queued FROM distlock_enqueue('granted-cut', true, 0, 1)").fetchone()[0]
+        mine, head = waiter.execute(
+            "SELECT queued, head FROM distlock_enqueue('granted-cut', true, 0, 1)").fetchone()
+        assert head is False
+        statuses: list[str] = []
+        thread = start_thread(lambda: statuses.append(waiter.execute(
+            "SELECT status FROM distlock_follow('granted-cut', %s, 60000)", [mine]
+        ).fetchone()[0]))
+        wait_until(lambda: raw.execute(
+            "SELECT count(*) FROM pg_locks WHERE pid = %s AND NOT granted", [pid]
+        ).fetchone()[0] == 1, 30, "the follower waits for the entry ahead")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            ahead.execute("SELECT distlock_leave('granted-cut', %s)", [first])
+            assert raw.execute("SELECT pg_cancel_backend(%s)", [pid]).fetchone()[0]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        thread.join(30)
+        assert not thread.is_alive() and len(statuses) == 1
+        shared = raw.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s "
+            "AND classid = %s AND mode = 'ShareLock'", [pid, ENTRY_CLASS]).fetchone()[0]
+        assert shared == 0, f"the follower kept the entry's shared lock ({statuses[0]})"
+        waiter.execute("SELECT distlock_leave('granted-cut', %s)", [mine])
+        assert _holds_nothing(raw, pid)
+        assert holder.release() is True
+    finally:
+        for session in (waiter, ahead, raw):
+            session.close()

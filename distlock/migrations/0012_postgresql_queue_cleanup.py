@@ -21,7 +21,9 @@ does not, and then
   previous entry either way; the caller then leaves with ``distlock_leave(name, 0)``.
 - ``distlock_follow`` reports such a cut as ``waited`` (the caller tries at once), also
   for a ``statement_timeout`` and for the ``FOR SHARE`` read after the wait, and never
-  keeps the shared lock of the entry it waited on.
+  keeps the shared lock of the entry it waited on — not even when PostgreSQL granted it
+  and raised the timeout or cancel of the same moment all the same (then pg_locks says
+  so, and the handler gives it back).
 - ``distlock_leave`` always leaves: if the reservation pass-on (an UPDATE of the lock
   row, which waits for an operation in flight) is cut short, the reservation is left to
   run out (at most the hand-off window) and the rows, the LISTEN and the locks go anyway.
@@ -52,6 +54,9 @@ _FOLLOW = "CREATE OR REPLACE FUNCTION distlock_follow("
 _LEAVE = "CREATE OR REPLACE FUNCTION distlock_leave("
 assert CHAIN_0009.count(_FOLLOW) == 1 and CHAIN_0009.count(_LEAVE) == 1
 FOLLOW_AND_LEAVE_0009 = CHAIN_0009[CHAIN_0009.index(_FOLLOW):]
+
+# The entry locks' first key (migration 0009); pg_locks shows it as classid.
+ENTRY_CLASS = 1684825957
 
 # The errors that end a wait because the session (or an operator) said so:
 # lock_not_available (lock_timeout) and query_canceled (statement_timeout, a cancel).
@@ -173,8 +178,10 @@ BEGIN
             -- For this transaction only (is_local): the session's own setting is back
             -- when the statement ends, whether it succeeded or not.
             PERFORM set_config('lock_timeout', left_ms || 'ms', true);
-            PERFORM pg_advisory_lock_shared({entry('before')});
+            -- Set before the wait: PostgreSQL may grant the lock and still raise the
+            -- timeout or cancel that came at the same moment.
             holding := before;
+            PERFORM pg_advisory_lock_shared({entry('before')});
             PERFORM pg_advisory_unlock_shared({entry('before')});
             holding := 0;
             moved := moved + 1;
@@ -193,7 +200,11 @@ BEGIN
     EXCEPTION WHEN lock_not_available OR query_canceled THEN
         -- The time ran out (its own lock_timeout, or the session's statement_timeout):
         -- the caller tries at once, and listens only once a later call says so.
-        IF holding > 0 THEN
+        IF holding > 0 AND EXISTS (
+            SELECT 1 FROM pg_locks k WHERE k.locktype = 'advisory'
+               AND k.pid = pg_backend_pid() AND k.classid = {ENTRY_CLASS}
+               AND k.objid::bigint = holding % 2147483648 AND k.objsubid = 2
+               AND k.mode = 'ShareLock' AND k.granted) THEN
             PERFORM pg_advisory_unlock_shared({entry('holding')});
         END IF;
         status := 'waited';

@@ -187,13 +187,21 @@ class Waiter:
         return bool(free)
 
     def stop(self) -> None:
-        """Leave the queue (the acquire got the lock, gave up or failed)."""
+        """Leave the queue (the acquire got the lock, gave up or failed).
+
+        If leaving fails — the connection broke, or a cancel landed in it (Ctrl-C, or
+        psycopg's cancel of the statement before arriving late) — the session may still
+        hold the queue's session-level locks, which only its end gives back for sure: the
+        connection is closed (Django opens a new one for the next query). A broken
+        connection dropped them already; its error is not raised, anything else is."""
         if self.listening:
-            # A connection that broke meanwhile dropped the LISTEN, the advisory locks and
-            # (with its session's "alive" lock) its place in the queue; the next operation
-            # replaces it.
-            with contextlib.suppress(DatabaseError):
+            try:
                 db.run(self.alias, "leave", self.name, self.entry)
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    self.connection.close()
+                if not isinstance(exc, DatabaseError):
+                    raise
         self.raw = None
 
 
