@@ -53,12 +53,12 @@ def _server_pid(db_alias: str) -> int | None:
 
 def _purge_child(db_alias: str, batch: int, rest: float | None, events_days: int | None,
                  queue: Any) -> None:
-    """purge_locks' batches (distlock.core.locks.purge_batches), or with ``events_days`` audit
+    """purge_locks' batches (distlock.core.purge.purge_batches), or with ``events_days`` audit
     retention's of events older than that many days (distlock.ops.audit.event_batches), each
     batch's transaction timed."""
     from django.db import connections
 
-    from distlock.core.locks import purge_batches
+    from distlock.core.purge import purge_batches
     from distlock.db import db_now_us
     from distlock.ops.audit import event_batches
 

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
         current_lease,
         lock,
         locked,
-        purge_locks,
     )
+    from distlock.core.purge import purge_locks
     from distlock.ops.failover import raise_tokens
 
 __all__ = [
@@ -73,7 +73,7 @@ _LAZY = {
     "current_lease": "distlock.core.locks",
     "lock": "distlock.core.locks",
     "locked": "distlock.core.locks",
-    "purge_locks": "distlock.core.locks",
+    "purge_locks": "distlock.core.purge",
     "raise_tokens": "distlock.ops.failover",
 }
 

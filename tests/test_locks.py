@@ -23,7 +23,7 @@ from distlock import (
 )
 from distlock.backends import backend_for
 from distlock.constants import PURGE_REST_MAX
-from distlock.core.locks import purge_batches
+from distlock.core.purge import purge_batches
 from distlock.db import db_now_us
 from distlock.models import Lock, TokenFloor
 

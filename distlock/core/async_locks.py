@@ -56,9 +56,9 @@ from distlock.core.locks import (
     break_lock,
     call_namer,
     name_template,
-    purge_locks,
     refuse_nested,
 )
+from distlock.core.purge import purge_locks
 from distlock.core.shielding import shielded
 from distlock.validation import Seconds
 from distlock.waiting.listener import AsyncWaiter

@@ -15,7 +15,7 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 
 from distlock.conf import conf
-from distlock.core.locks import purge_locks
+from distlock.core.purge import purge_locks
 from distlock.core.status import duration
 from distlock.management.commands._common import LockCommand, parse_duration
 from distlock.ops.audit import purge_events, retention
