@@ -291,7 +291,7 @@ def test_purge_keeps_tokens_increasing():
 
 
 def test_purge_deletes_in_batches_and_raises_the_floor(monkeypatch):
-    monkeypatch.setattr("distlock.core.locks.PURGE_BATCH", 3)
+    monkeypatch.setattr("distlock.core.purge.PURGE_BATCH", 3)
     leases = [acquire(f"batch:{i}", ttl=30) for i in range(8)]
     for lease in leases[1:]:
         lease.release()

@@ -183,10 +183,10 @@ def purge_loop(batch: int) -> None:
     import select
 
     import distlock.core.batches
-    import distlock.core.locks
+    import distlock.core.purge
     from distlock import purge_locks
 
-    distlock.core.locks.PURGE_BATCH = batch  # type: ignore[misc]
+    distlock.core.purge.PURGE_BATCH = batch  # type: ignore[misc]
     distlock.core.batches.PURGE_REST = 0.0  # type: ignore[misc]  # race as hard as it can
     emit("ready")
     command()
