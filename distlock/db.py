@@ -160,8 +160,14 @@ def run_on(
                 if connection.connection is None:
                     # _drop_if_broken closed it, or a retry follows a lost connection.
                     connection.ensure_connection()
-                with backend.statement_cursor(connection) as cursor:
-                    return method(cursor, *args)
+                try:
+                    with backend.statement_cursor(connection) as cursor:
+                        return method(cursor, *args)
+                except (DatabaseError, DistlockError):
+                    raise
+                except BaseException:
+                    backend.interrupted(connection)
+                    raise
             try:
                 with (
                     transaction.atomic(using=connection.alias, durable=True),

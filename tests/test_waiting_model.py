@@ -351,8 +351,11 @@ class Model:
     # -- invariants ----------------------------------------------------------------
 
     def check(self) -> None:
-        now = self.now_us()
+        # The row first, then the clock: a grant unexpired at the later instant was
+        # unexpired when the row was read (reading the clock first, a lease that ran out
+        # in between, and was taken over, looked live beside the new holder's row).
         row = self.row()
+        now = self.now_us()
         # 1: at most one unexpired holder by the database clock, and it is the row's.
         live = [g for g in self.grants.values()
                 if not g.released and not g.broken and g.expires_us > now]

@@ -147,6 +147,12 @@ class Backend(TokenFloorSQL, IndexSQL):
         """The cursor for a one-statement operation (the connection is open and autocommit)."""
         return connection.cursor()
 
+    def interrupted(self, connection: BaseDatabaseWrapper) -> None:
+        """A one-statement operation was cut short by an exception from outside the
+        database (KeyboardInterrupt, a task's soft time limit): clean up what that can
+        leave open on the connection. Nothing here: PostgreSQL's statements are read
+        whole or cancelled, MariaDB's CALL cursor closes its own connection."""
+
     # -- transactions and connections ----------------------------------------------------
 
     def join_manual_transaction(self, connection: BaseDatabaseWrapper) -> None:
