@@ -67,7 +67,15 @@ class _Condition(Expression):
     output_field = models.BooleanField()
 
 
-class SameName(Lookup[bool]):
+if TYPE_CHECKING:
+    _BooleanLookup = Lookup[bool]
+else:
+    # Django's Lookup is generic only in django-stubs: subscripting it at run time is a
+    # TypeError (the test settings' django_stubs_ext made it work there, not for users).
+    _BooleanLookup = Lookup
+
+
+class SameName(_BooleanLookup):
     """``<lock name of the row> = %s``, compared byte for byte under any collation of the
     columns it reads (``Backend.name_equals_sql``), never NULL.
 
