@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Index bloat of the lock table under grants, on PostgreSQL with autovacuum on.
 
-Since the held-now index (migration 0005) a grant and a release change ``owner``, the
+Since the held-now index (migration 0001; 0.2's 0005) a grant and a release change ``owner``, the
 index's condition, so neither is a heap-only (HOT) update: each writes new entries in
 every index of the lock table and leaves a dead row version for vacuum. This soak runs
 grant/release cycles on random names of a large table for ``--minutes`` and samples, every

@@ -102,9 +102,10 @@ class Distlock(Contender):
 
 
 def use_mariadb_python_path() -> None:
-    """In a forked worker only: run distlock's MariaDB operations as before migration 0006
-    — a transaction of the portable statements from Python, and the fenced write's check
-    as a separate locking read — so both paths are measured in the same run."""
+    """In a forked worker only: run distlock's MariaDB operations without their stored
+    procedures (migration 0003) — a transaction of the portable statements from Python,
+    and the fenced write's check as a separate locking read — so both paths are measured
+    in the same run."""
     from distlock.backends import backend_named
 
     backend = backend_named("mysql")
@@ -114,10 +115,10 @@ def use_mariadb_python_path() -> None:
 
 
 class DistlockPythonPath(Distlock):
-    """M: distlock before 0006 (see :func:`use_mariadb_python_path`)."""
+    """M: distlock without its procedures (see :func:`use_mariadb_python_path`)."""
 
     def __init__(self, alias: str) -> None:
-        super().__init__(alias, "distlock, Python path (before 0006)")
+        super().__init__(alias, "distlock, Python path (no procedures)")
         self.note = "a transaction of 3–5 statements from Python per operation"
 
     def connect(self) -> None:

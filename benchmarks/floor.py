@@ -21,7 +21,7 @@ functions and distlock, in short blocks in turn in one process (less moved by th
 
 Part ``index`` (8 processes on their own names): A, distlock, and A's statements on a copy
 of ``distlock_lock`` (its columns, indexes and fillfactor), with each shape of the
-owned-rows index of migration 0005 in turn — the shipped ``(name) WHERE owner > ''``,
+owned-rows index of migration 0001 in turn — the shipped ``(name) WHERE owner > ''``,
 none, and alternatives — built on ``distlock_lock`` and on the copy of this run's own
 database only (never a migration). Per measurement the HOT share of the updates of each
 table (``pg_stat_user_tables``: ``n_tup_hot_upd / n_tup_upd``).
@@ -49,7 +49,7 @@ from benchmarks import databases as dbs  # noqa: E402
 COPY = "floor_lock"
 # Index shapes that could serve "held now" (owner > '' AND expires_us > now).
 SHAPES = {
-    "owned": "(name) WHERE owner > ''",  # migration 0005's, shipped
+    "owned": "(name) WHERE owner > ''",  # migration 0001's, shipped
     "none": None,
     "expires": "(expires_us) WHERE owner > ''",
     "brin": "USING brin (expires_us)",

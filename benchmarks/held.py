@@ -18,7 +18,7 @@ overview's held-now query. Figures are medians over rounds.
 The tables: idle free rows (like benchmarks/rows.py's), of which 50 are held (an hour's
 lease) and 50 expired and not taken over, spread evenly through the table.
 Its own databases ``distlock_bench_held_<size>``; the index designs are created and
-dropped by the run (migration 0005's too, which is the design shipped: "(name) WHERE
+dropped by the run (migration 0001's too, which is the design shipped: "(name) WHERE
 owner > ''" on PostgreSQL and SQLite, "(owner)" on MariaDB), and the tables are left as
 migrated.
 """
@@ -122,7 +122,7 @@ def prepare(db_alias: str, size: int) -> None:
 
 
 def set_design(db_alias: str, sql: str | None) -> None:
-    """Drop the benchmark's index and the shipped one (migration 0005's), then create
+    """Drop the benchmark's index and the shipped one (migration 0001's), then create
     ``sql``'s (None: none)."""
     from django.db import connections
 
@@ -259,7 +259,7 @@ def run_backend(backend: str, sizes: tuple[int, int], args: argparse.Namespace) 
 
 def grant_pairs(backend: str, size: int, args: argparse.Namespace) -> None:
     """--pairs: the grant path alone on the large table, without the index and with the
-    shipped one (migration 0005's) in turn, ``--pairs`` times, so that the machine's
+    shipped one (migration 0001's) in turn, ``--pairs`` times, so that the machine's
     changing load falls on both alike; the median of the per-pair ratios."""
     from django.db import connections
 

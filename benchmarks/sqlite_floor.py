@@ -11,7 +11,7 @@ turn (so the machine's load moves all rows alike), on one SQLite file in WAL mod
 - A: the reference's upsert and update (``contenders.SqliteUpsert``) on its own 4-column
   table ``bench_lock``;
 - A's two statements, their columns renamed, on ``bench_shape``: a copy of
-  ``distlock_lock`` with its indexes (the owned-rows index of migration 0005 included),
+  ``distlock_lock`` with its indexes (the owned-rows index of migration 0001 included),
   so the difference to A is what the table's shape costs;
 - the same on the copy without the owned-rows index;
 - distlock's own two statements (``backends/sqlite.py``'s grant of a free row and its
@@ -136,7 +136,7 @@ def make_shape(path: str, name: str) -> None:
 
 
 def drop_owned_indexes(path: str) -> None:
-    """Drop the owned-rows index of the copy and of ``distlock_lock`` (migration 0005's)."""
+    """Drop the owned-rows index of the copy and of ``distlock_lock`` (migration 0001's)."""
     with sqlite3.connect(path, isolation_level=None) as conn:
         conn.execute(f"DROP INDEX IF EXISTS {OWNED_INDEX}")
         (index,) = conn.execute(

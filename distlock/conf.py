@@ -35,8 +35,8 @@ DEFAULTS: dict[str, Any] = {
     # Turn off behind a transaction-pooling PgBouncer, which cannot keep a LISTEN.
     "DISTLOCK_WAKEUPS": True,
     # PostgreSQL: a waiter that finds fewer than this many queued ahead of it LISTENs; a
-    # later one waits behind the one just ahead until it is the head (see wakeups.py and
-    # migration 0011). 1: only the head listens (0009's chain).
+    # later one waits behind the one just ahead until it is the head (see
+    # docs/waiting.md). 1: only the head listens (the chain).
     "DISTLOCK_LISTENING_WAITERS": 8,
     # PostgreSQL: prepare distlock's own statements once per database session, so the
     # server does not parse and plan every lock operation. Turn off behind a
@@ -44,7 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "DISTLOCK_PREPARE_STATEMENTS": True,
     # PostgreSQL: let a release commit without waiting for its WAL flush. A release lost
     # in a database crash leaves the lock held until that lease's expiry, as a crashed
-    # holder does; grants and renewals always wait (see migration 0002).
+    # holder does; grants and renewals always wait (see postgresql_functions.py).
     "DISTLOCK_DURABLE_RELEASE": False,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,

@@ -10,7 +10,7 @@ from __future__ import annotations
 LOCK_TABLE = "distlock_lock"
 # The index of the owned (held or expired) lock rows (Lock.Meta.indexes).
 OWNED_INDEX = "distlock_lock_owned"
-# The audit events of the kinds that are rare (trouble), and their index (migration 0008):
+# The audit events of the kinds that are rare (trouble), and their index (migration 0001):
 # "the stale writes" must not walk ten million grants and renewals to find a handful.
 RARE_KINDS = ("took_over", "broken", "lost", "stale_write")
 RARE_EVENTS_INDEX = "distlock_event_rare"

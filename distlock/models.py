@@ -76,7 +76,7 @@ class Lock(models.Model):
     )
     renew_count = models.IntegerField(default=0, editable=False)
 
-    # Migration 0005 indexes the owned rows (held or expired) for "which locks are held
+    # Migration 0001 indexes the owned rows (held or expired) for "which locks are held
     # now"; each vendor's form is in distlock/backends/ (MariaDB has no partial index),
     # so the index is not in Meta.indexes, where Django would warn on MariaDB.
 
@@ -112,7 +112,7 @@ class TokenFloor(models.Model):
     transaction, and a new lock row starts at ``token + 1``: the first use of a name reads
     one row instead of the largest token of the whole lock table (a full scan, since
     ``token`` has no index; an index would end the heap-only updates of every grant).
-    Migration 0003 starts it at the lock table's largest token. If the row is missing
+    Migration 0001 makes it, at 0. If the row is missing
     (a ``flush``), the next first use or purge puts it back from the same maximum.
     """
 

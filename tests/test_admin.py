@@ -593,7 +593,7 @@ def _page_plan(response) -> str:
 @pytest.mark.parametrize("param", ["kind", "kind__exact"])
 def test_a_rare_kind_is_listed_through_its_index(su_client, events, param):
     """?kind=broken (and the sidebar's own link) lists exactly the broken events, through
-    the rare kinds' partial index (migration 0008) on PostgreSQL and SQLite: without it,
+    the rare kinds' partial index (migration 0001) on PostgreSQL and SQLite: without it,
     at 10M events, 1.7 s and 18 s (docs/performance.md)."""
     from django.db import connection
 

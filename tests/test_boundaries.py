@@ -11,7 +11,7 @@ On PostgreSQL acquire, renew and release are server-side functions that read
 (``distlock_holds``, migration 0002; its strict ``expires_us >`` is asserted in
 test_fencing). There only the fenced write inside ``atomic()`` (the ownership check as SQL
 built in Python) can be pinned, so the take-over half runs on SQLite only. The same holds
-on MariaDB, whose acquire and renew are stored procedures (migration 0006); its folded
+on MariaDB, whose acquire and renew are stored procedures (migration 0003); its folded
 check is SQL built in Python (pinnable).
 """
 

@@ -131,7 +131,7 @@ def test_a_refused_try_takes_no_row_lock_and_does_not_queue():
 @pytest.mark.no_pooler("a reservation names a server session: behind a pooler the try may run "
                        "on the very session that reserved it")
 def test_a_try_on_a_lock_reserved_for_another_session_takes_no_row_lock():
-    # Migration 0010 locks a row at once only if it looks free; a free row reserved for
+    # distlock_acquire locks a row at once only if it looks free; a free row reserved for
     # another waiter (the hand-off's grant window) does not look free to anyone else.
     acquire("reserved", ttl=30).release()
     raw = _raw_postgresql()

@@ -1,14 +1,10 @@
-"""distlock's migrations: back to zero and forwards again, and the pre-release series.
+"""distlock's migrations: back to zero and forwards again, and the upgrade from 0.2.
 
-0001_initial makes the tables; 0002_postgresql_functions makes PostgreSQL's server-side
-functions (nothing elsewhere). 0002 replaces the pre-release steps 0003–0007, so a
-database those migrated counts as migrated without running anything. 0003_token_floor
-makes the token floor, started at the table's largest token, and redefines
-distlock_acquire on PostgreSQL to start new rows above it. 0005 indexes the owned lock
-rows, each vendor in its own form. 0006 makes the stored procedures of the lock
-operations on MariaDB/MySQL (nothing elsewhere). 0007 makes PostgreSQL's waiter queue
-and hand-off, 0008 indexes the rare audit event kinds, 0009 makes the chain PostgreSQL's
-waiters wait in (nothing elsewhere), 0011 lets the first few of them listen instead.
+0001_tables makes the tables and the vendor indexes, 0002_postgresql_version_1
+PostgreSQL's server-side functions (distlock/backends/postgresql_functions.py's version
+1; nothing elsewhere), 0003_mysql_procedures MariaDB's stored procedures (nothing
+elsewhere). They squash distlock 0.2's twelve migrations: a database those migrated
+counts as migrated and nothing runs.
 """
 
 from __future__ import annotations
@@ -16,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.db.migrations.loader import MigrationLoader
 from django.db.migrations.recorder import MigrationRecorder
 
 from distlock import acquire
+from distlock.backends.postgresql_functions import ARGUMENTS_1, FUNCTIONS_1
 from distlock.constants import (
     EVENT_TABLE,
     FLOOR_TABLE,
@@ -33,37 +30,26 @@ from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
-# Each server-side function of 0002 (and 0007, 0009, 0011) and its argument types, as
-# pg_proc lists them.
-POSTGRESQL_FUNCTIONS = {
-    "distlock_acquire": "text, text, text, bigint, bigint",
-    "distlock_ahead": "text, bigint",
-    "distlock_channel": "text",
-    "distlock_enqueue": "text, boolean, bigint, integer",
-    "distlock_follow": "text, bigint, integer",
-    "distlock_holds": "text, text, bigint",
-    "distlock_leave": "text, bigint",
-    "distlock_listen": "text",
-    "distlock_queue": "text, boolean",
-    "distlock_release": "text, text, bigint, boolean",
-    "distlock_renew": "text, text, bigint, bigint",
-    "distlock_unlisten": "text",
-    "distlock_unqueue": "text",
-    "distlock_wake": "text",
+LATEST = ("distlock", "0003_mysql_procedures")
+# Each squashing migration and the 0.2 migrations it replaces.
+SQUASHED = {
+    "0001_tables": [
+        "0001_initial",
+        "0003_token_floor",
+        "0004_lockevent_name_at_index",
+        "0005_lock_owned_index",
+        "0008_lockevent_rare_index",
+    ],
+    "0002_postgresql_version_1": [
+        "0002_postgresql_functions",
+        "0007_postgresql_handoff",
+        "0009_postgresql_waiter_chain",
+        "0010_postgresql_fewer_statements",
+        "0011_postgresql_first_waiters_listen",
+        "0012_postgresql_queue_cleanup",
+    ],
+    "0003_mysql_procedures": ["0006_mysql_procedures"],
 }
-# The waiter queue's (0007 and 0009): gone when migrated back to 0002.
-QUEUE_FUNCTIONS = {"distlock_ahead", "distlock_enqueue", "distlock_follow", "distlock_leave",
-                   "distlock_queue", "distlock_unqueue"}
-PRE_RELEASE = [
-    "0003_postgresql_functions",
-    "0004_lockevent",
-    "0005_postgresql_wakeups",
-    "0006_postgresql_release_commit",
-    "0007_postgresql_fence_check",
-]
-
-
-LATEST = ("distlock", "0012_postgresql_queue_cleanup")
 
 
 def tables() -> set[str]:
@@ -91,6 +77,14 @@ def functions() -> dict[str, str]:
         return found
 
 
+def sources() -> dict[str, str]:
+    """The body of each distlock function, as PostgreSQL keeps it."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT proname, prosrc FROM pg_proc WHERE proname LIKE 'distlock\\_%%'"
+                       " AND prorettype <> 'trigger'::regtype")
+        return {str(name): str(source) for name, source in cursor.fetchall()}
+
+
 @pytest.fixture
 def migrated_back() -> Iterator[None]:
     """Whatever a test migrates distlock back to, it ends migrated to the end."""
@@ -101,171 +95,67 @@ def migrated_back() -> Iterator[None]:
 
 
 def test_migrations_run_back_to_zero_and_forwards_again(migrated_back: None) -> None:
-    expected = POSTGRESQL_FUNCTIONS if connection.vendor == "postgresql" else {}
+    expected = ARGUMENTS_1 if connection.vendor == "postgresql" else {}
     assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
     assert functions() == expected
-    call_command("migrate", "distlock", "0002", verbosity=0)
-    assert tables() == {LOCK_TABLE, EVENT_TABLE}
-    assert functions() == {
-        name: args for name, args in expected.items() if name not in QUEUE_FUNCTIONS
-    }, "0007's or 0009's queue functions outlived their reversal"
     call_command("migrate", "distlock", "0001", verbosity=0)
-    assert tables() == {LOCK_TABLE, EVENT_TABLE}
+    assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
     assert functions() == {}
     call_command("migrate", "distlock", "zero", verbosity=0)
     assert tables() == set()
     call_command("migrate", "distlock", verbosity=0)
     assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
     assert functions() == expected
+    assert TokenFloor.objects.get().token == 0
     lease = acquire("migrated", ttl=30)
-    assert lease.release() is True
-
-
-def acquire_source() -> str:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = 'distlock_acquire'")
-        return str(cursor.fetchone()[0])
-
-
-def release_source() -> str:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = 'distlock_release'")
-        return str(cursor.fetchone()[0])
-
-
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's functions")
-def test_0010_reversed_puts_back_the_bodies_it_replaced(migrated_back: None) -> None:
-    from distlock.migrations._postgresql import ACQUIRE_0007, RELEASE_0002
-
-    def body(sql: str) -> str:
-        return sql.split("$$", 2)[1]
-
-    assert "(0010)" in acquire_source() and "(0010)" in release_source()
-    call_command("migrate", "distlock", "0007", verbosity=0)
-    assert acquire_source() == body(ACQUIRE_0007)
-    assert release_source() == body(RELEASE_0002)
-    call_command("migrate", "distlock", verbosity=0)
-    assert "(0010)" in acquire_source() and "(0010)" in release_source()
-    lease = acquire("migrated-0010", ttl=30)
-    assert lease.release() is True
-
-
-def queue_sources() -> dict[str, tuple[str, str]]:
-    """The queue functions 0009 and 0011 define: name -> (argument types, body)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT proname, oidvectortypes(proargtypes), prosrc FROM pg_proc WHERE proname "
-            "IN ('distlock_ahead', 'distlock_enqueue', 'distlock_follow', 'distlock_leave')"
-        )
-        return {name: (args, source) for name, args, source in cursor.fetchall()}
-
-
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's functions")
-def test_0011_reversed_puts_back_0009s_chain(migrated_back: None) -> None:
-    """Reversed, 0011 leaves 0009's four functions, byte for byte, and no overload; a
-    waiter of 0009's (three arguments) is served by 0011's with 0009's rule."""
-    from distlock.migrations._postgresql import CHAIN_0009
-
-    chain = CHAIN_0009.split("$$")[1::2]
-    assert all("(0011)" not in body for body in chain)
-    assert [name for name, (_, source) in queue_sources().items()
-            if "(0011)" in source] == ["distlock_enqueue"]
-    call_command("migrate", "distlock", "0010", verbosity=0)
-    assert sorted(source for _, source in queue_sources().values()) == sorted(chain)
-    assert functions()["distlock_enqueue"] == "text, boolean, bigint"
-    call_command("migrate", "distlock", verbosity=0)
-    assert functions() == POSTGRESQL_FUNCTIONS
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT queued, head FROM distlock_enqueue('old-client', true, 0)")
-        queued, head = cursor.fetchone()
-        assert head is True
-        cursor.execute("SELECT distlock_leave('old-client', %s)", [queued])
-    lease = acquire("migrated-0011", ttl=30)
+    assert lease.token == 1
     assert lease.release() is True
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="PostgreSQL's functions")
-def test_0012_reversed_puts_back_0011s_queue_and_forwards_cleans_up(migrated_back: None) -> None:
-    """Reversed, 0012 leaves 0011's distlock_enqueue and 0009's distlock_follow and
-    distlock_leave, byte for byte; forwards, its three bodies are the ones in use."""
-    from importlib import import_module
-
-    cleanup = import_module("distlock.migrations.0012_postgresql_queue_cleanup")
-    queue = ("distlock_enqueue", "distlock_follow", "distlock_leave")
-    call_command("migrate", "distlock", "0011", verbosity=0)
-    assert sorted(queue_sources()[name][1] for name in queue) == sorted(
-        cleanup.BACKWARDS.split("$$")[1::2])
-    call_command("migrate", "distlock", verbosity=0)
-    assert sorted(queue_sources()[name][1] for name in queue) == sorted(
-        cleanup.FUNCTIONS.split("$$")[1::2])
-    assert functions() == POSTGRESQL_FUNCTIONS
-
-
-def test_token_floor_starts_at_the_largest_token_of_an_existing_table(
-    migrated_back: None,
-) -> None:
-    """A database from before 0003 keeps its promise: a name purged before the migration
-    (its tokens at most the table's largest) comes back above all of them."""
-    call_command("migrate", "distlock", "0002", verbosity=0)
-    if connection.vendor == "postgresql":
-        assert "distlock_floor" not in acquire_source()
-    Lock.objects.create(name="kept-low", token=7, owner="", expires_us=0)
-    Lock.objects.create(name="kept-top", token=41, owner="", expires_us=0)
-    call_command("migrate", "distlock", verbosity=0)
-    assert TokenFloor.objects.get().token == 41
-    if connection.vendor == "postgresql":
-        assert "distlock_floor" in acquire_source()
-    lease = acquire("purged-before-0003", ttl=30)
-    assert lease.token == 42
-    assert lease.release() is True
+def test_version_1_installs_the_module_s_text_byte_for_byte() -> None:
+    """What the database runs is what distlock/backends/postgresql_functions.py shows."""
+    assert sources() == {name: sql.split("$$")[1] for name, sql in FUNCTIONS_1.items()}
+    assert list(FUNCTIONS_1) == list(ARGUMENTS_1)
 
 
 @pytest.mark.skipif(
     "connection.vendor != 'postgresql'", reason="PostgreSQL only: fillfactor is its option"
 )
-def test_postgresql_lock_table_fillfactor_goes_with_the_functions(migrated_back: None) -> None:
+def test_postgresql_lock_table_fillfactor_and_queue_go_with_the_functions(
+    migrated_back: None,
+) -> None:
     def options() -> list[str] | None:
         with connection.cursor() as cursor:
             cursor.execute("SELECT reloptions FROM pg_class WHERE relname = %s", [LOCK_TABLE])
             return cursor.fetchone()[0]
 
+    def columns() -> set[str]:
+        with connection.cursor() as cursor:
+            found = connection.introspection.get_table_description(cursor, LOCK_TABLE)
+        return {column.name for column in found}
+
     assert options() == ["fillfactor=70"]
+    assert {"reserved_pid", "reserved_until_us"} <= columns()
+    assert "distlock_waiter" in connection.introspection.table_names()
     call_command("migrate", "distlock", "0001", verbosity=0)
     assert options() is None
+    assert not {"reserved_pid", "reserved_until_us"} & columns()
+    assert "distlock_waiter" not in connection.introspection.table_names()
     call_command("migrate", "distlock", verbosity=0)
     assert options() == ["fillfactor=70"]
 
 
-def owned_index() -> dict[str, object] | None:
+def test_the_vendor_indexes_come_with_0001() -> None:
+    """Owned rows: a partial index on name (PostgreSQL, SQLite), one on owner (MariaDB).
+    Rare events: (kind, at_us), partial but on MariaDB."""
     with connection.cursor() as cursor:
-        found = connection.introspection.get_constraints(cursor, LOCK_TABLE)
-    return found.get(OWNED_INDEX)
-
-
-def test_owned_rows_index_comes_and_goes_with_0005(migrated_back: None) -> None:
-    """PostgreSQL and SQLite: a partial index on name; MariaDB: an index on owner."""
-    columns = ["owner"] if connection.vendor == "mysql" else ["name"]
-    assert owned_index() is not None and owned_index()["columns"] == columns
-    call_command("migrate", "distlock", "0004", verbosity=0)
-    assert owned_index() is None
-    call_command("migrate", "distlock", verbosity=0)
-    assert owned_index() is not None and owned_index()["columns"] == columns
-
-
-def rare_events_index() -> dict[str, object] | None:
-    with connection.cursor() as cursor:
-        found = connection.introspection.get_constraints(cursor, EVENT_TABLE)
-    return found.get(RARE_EVENTS_INDEX)
-
-
-def test_rare_events_index_comes_and_goes_with_0008(migrated_back: None) -> None:
-    """(kind, at_us): partial (the rare kinds) on PostgreSQL and SQLite, full on MariaDB."""
-    assert rare_events_index() is not None
-    assert rare_events_index()["columns"] == ["kind", "at_us"]
-    call_command("migrate", "distlock", "0007", verbosity=0)
-    assert rare_events_index() is None
-    call_command("migrate", "distlock", verbosity=0)
-    assert rare_events_index() is not None
+        on_locks = connection.introspection.get_constraints(cursor, LOCK_TABLE)
+        on_events = connection.introspection.get_constraints(cursor, EVENT_TABLE)
+    owned = ["owner"] if connection.vendor == "mysql" else ["name"]
+    assert on_locks[OWNED_INDEX]["columns"] == owned
+    assert on_events[RARE_EVENTS_INDEX]["columns"] == ["kind", "at_us"]
+    assert on_events["distlock_event_name_at"]["columns"] == ["name", "at_us"]
 
 
 def test_the_rare_kinds_are_event_kinds() -> None:
@@ -275,30 +165,55 @@ def test_the_rare_kinds_are_event_kinds() -> None:
     assert set(RARE_KINDS) == set(LockEvent.Kind.values) - {"acquired", "renewed", "released"}
 
 
-def test_a_database_the_pre_release_series_migrated_counts_as_migrated() -> None:
-    """The records a pre-release leaves (0001 and 0003–0007, no 0002) mean 0002 is applied."""
+def test_a_database_distlock_0_2_migrated_counts_as_migrated() -> None:
+    """The records 0.2's series leaves (its twelve names, none of the squashes) mean every
+    squash is applied: migrate records them and runs nothing (a run would fail: the
+    tables exist)."""
     recorder = MigrationRecorder(connection)
-    squashed = ("distlock", "0002_postgresql_functions")
-    pre_release = [("distlock", name) for name in PRE_RELEASE]
+    squashes = [("distlock", name) for name in SQUASHED]
+    old = [("distlock", name) for names in SQUASHED.values() for name in names]
     applied = recorder.applied_migrations()
-    assert squashed in applied
-    # Applying 0002 records the names it replaces too: add only what is missing.
-    added = [key for key in pre_release if key not in applied]
+    # Applying a squash records the names it replaces too.
+    assert set(squashes) | set(old) <= set(applied)
+    Lock.objects.create(name="kept", token=41, owner="", expires_us=0)
     try:
-        recorder.record_unapplied(*squashed)
-        for key in added:
-            recorder.record_applied(*key)
-        loader = MigrationLoader(connection)
-        assert loader.replacements[squashed].replaces == pre_release
-        assert squashed in loader.applied_migrations
-        assert set(loader.graph.leaf_nodes("distlock")) == {LATEST}
-        call_command("migrate", "distlock", verbosity=0)  # records 0002, runs nothing
-        assert squashed in recorder.applied_migrations()
-    finally:
-        for key in added:
+        for key in squashes:
             recorder.record_unapplied(*key)
-        if squashed not in recorder.applied_migrations():
-            recorder.record_applied(*squashed)
+        loader = MigrationLoader(connection)
+        for key in squashes:
+            assert [("distlock", name) for name in SQUASHED[key[1]]] == \
+                loader.replacements[key].replaces
+            assert key in loader.applied_migrations
+        assert set(loader.graph.leaf_nodes("distlock")) == {LATEST}
+        call_command("migrate", "distlock", verbosity=0)
+        assert set(squashes) <= set(recorder.applied_migrations())
+    finally:
+        for key in squashes:
+            if key not in recorder.applied_migrations():
+                recorder.record_applied(*key)
+    assert Lock.objects.get(name="kept").token == 41
+    assert functions() == (ARGUMENTS_1 if connection.vendor == "postgresql" else {})
+
+
+def test_a_database_part_way_through_0_2_is_refused_not_half_migrated() -> None:
+    """0.2's series applied up to 0009 (not 0010–0012): the squash cannot stand for the
+    rest, which are gone, so migrate fails at once and changes nothing. Django's message
+    names two leaf nodes; CHANGELOG.md says what to do: finish 0.2's series with
+    distlock 0.2 first (never ``makemigrations --merge``)."""
+    recorder = MigrationRecorder(connection)
+    missing = [("distlock", name) for name in SQUASHED["0002_postgresql_version_1"][3:]]
+    squash = ("distlock", "0002_postgresql_version_1")
+    before = functions()
+    try:
+        recorder.record_unapplied(*squash)
+        for key in missing:
+            recorder.record_unapplied(*key)
+        with pytest.raises(CommandError, match="0001_tables, 0003_mysql_procedures"):
+            call_command("migrate", "distlock", verbosity=0)
+        assert functions() == before
+    finally:
+        for key in [squash, *missing]:
+            recorder.record_applied(*key)
 
 
 def procedures() -> set[str]:
@@ -311,13 +226,13 @@ def procedures() -> set[str]:
 
 
 @pytest.mark.skipif(
-    "connection.vendor != 'mysql'", reason="MariaDB/MySQL only: stored procedures of 0006"
+    "connection.vendor != 'mysql'", reason="MariaDB/MySQL only: stored procedures of 0003"
 )
-def test_mysql_procedures_come_and_go_with_0006(migrated_back: None) -> None:
+def test_mysql_procedures_come_and_go_with_0003(migrated_back: None) -> None:
     from distlock.backends.mysql_procedures import PROCEDURES
 
     assert procedures() == set(PROCEDURES)
-    call_command("migrate", "distlock", "0005", verbosity=0)
+    call_command("migrate", "distlock", "0002", verbosity=0)
     assert procedures() == set()
     call_command("migrate", "distlock", verbosity=0)
     assert procedures() == set(PROCEDURES)

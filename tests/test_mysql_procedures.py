@@ -1,6 +1,6 @@
 """MariaDB/MySQL: the stored procedures of the lock operations and the folded fenced check.
 
-Acquire, renew and release are one ``CALL`` each (migration 0006): the connection must
+Acquire, renew and release are one ``CALL`` each (migration 0003): the connection must
 stay usable for Django's own queries afterwards (mysqlclient needs a CALL's extra result
 sets read), every procedure must read the clock after its wait for the lock row, a
 lock-wait timeout inside a procedure must still mean busy with nothing left open, and
@@ -425,7 +425,7 @@ def test_the_backend_inside_a_transaction_runs_the_portable_steps_in_it():
     assert Lock.objects.values_list("token", "owner").get(name="inside") == (lease.token, "")
 
 
-# -- a missing procedure (migration 0006 not run, or its procedures dropped) -----------------
+# -- a missing procedure (migration 0003 not run, or its procedures dropped) -----------------
 
 
 def test_a_missing_procedure_is_named_by_the_doctor_and_by_the_failing_call():
@@ -445,7 +445,7 @@ def test_a_missing_procedure_is_named_by_the_doctor_and_by_the_failing_call():
             call_command("distlock_doctor", stdout=out)
         report = out.getvalue()
         assert "[FAIL] stored procedure(s) distlock_release missing" in report
-        assert "0006_mysql_procedures" in report and "manage.py migrate distlock" in report
+        assert "0003_mysql_procedures" in report and "manage.py migrate distlock" in report
         for use_lean_cursor in (True, False):
             with contextlib.ExitStack() as watching:
                 if not use_lean_cursor:

@@ -90,7 +90,7 @@ POLL_MAX = 2.0
 SLACK = 0.5
 # A SIGKILLed worker's backend ends when it notices its client is gone: at once when it
 # waits for a command, within client_connection_check_interval (500 ms, set while queued:
-# migration 0007) when it waits for a lock; plus scheduling on a loaded machine.
+# distlock_queue) when it waits for a lock; plus scheduling on a loaded machine.
 GRACE = 5.0
 STEPS = int(os.environ.get("DISTLOCK_MODEL_STEPS", "400"))
 # The steps stop early past this many seconds (a loaded machine): each variant stays
@@ -114,7 +114,7 @@ QUEUE_HOLDERS = (
 # symptom instead of failing on it (kept so a regression can be looked at without the
 # test stopping at the first one):
 # 1. distlock_follow kept the shared lock of the entry it waited on when PostgreSQL
-#    granted it and raised the lock_timeout or cancel of the same moment (0012 now
+#    granted it and raised the lock_timeout or cancel of the same moment (0.3 now
 #    records the entry before the wait and asks pg_locks in its handler;
 #    test_wakeups.py::test_a_follow_granted_and_cancelled_at_the_same_moment_keeps_no_lock).
 FOLLOW_LEAK_UNFIXED = False
@@ -122,8 +122,8 @@ FOLLOW_LEAK_UNFIXED = False
 #    locks, and Waiter.stop() swallowed the error (it now closes the connection).
 CANCEL_LEAK_UNFIXED = False
 # 3. MariaDB: a KeyboardInterrupt between a CALL and reading its result sets left the
-#    connection "out of sync" (2014) for every later statement (_RawCursor.execute now
-#    closes it).
+#    connection "out of sync" (2014) for every later statement (db.run_on now closes it:
+#    Backend.interrupted).
 MARIADB_INTERRUPT_UNFIXED = False
 LOCKS = ("SELECT pid, classid, objid, objsubid, mode, granted FROM pg_locks "
          "WHERE locktype = 'advisory' AND pid = ANY(%s)")

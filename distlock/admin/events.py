@@ -32,7 +32,7 @@ else:
 
 class KindFilter(admin.SimpleListFilter):
     """The event's kind; a rare one (a take-over, a break, a lost lease, a stale write)
-    through the rare kinds' index (migration 0008).
+    through the rare kinds' index (migration 0001).
 
     The rare kinds' condition is added word for word, as literal SQL: SQLite uses a
     partial index only when the query has its condition's terms, and not with bound

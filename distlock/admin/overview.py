@@ -3,7 +3,7 @@ on a large site (issue 17: every operator view under 150 ms with 1,000,000 lock 
 10,000,000 audit events), because the page asks them again every few seconds.
 
 - **Held now** (count and the longest held): read through the index of the owned rows
-  (migration 0005), so it costs what is held, not what the table holds; the count is a
+  (migration 0001), so it costs what is held, not what the table holds; the count is a
   window over the same read, and only the first ``HELD_LIMIT`` rows (longest held
   first) leave the server. The index costs grants and releases their heap-only (HOT)
   update on PostgreSQL, renewals keep it (docs/decisions.md, "Held now").

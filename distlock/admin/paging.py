@@ -39,7 +39,7 @@ class CappedPaginator(Paginator):  # type: ignore[type-arg]
 
 
 # The Locks list's columns other than the name sort only the held or the expired locks:
-# those are read through the owned rows' index (migration 0005), so a sort orders what
+# those are read through the owned rows' index (migration 0001), so a sort orders what
 # is held, not the table. Over every row, or the free ones, each would be a sort of the
 # whole table (462 ms at a million rows on PostgreSQL; docs/performance.md), and an index
 # per column would cost every grant: the name, the primary key, is the one order there.

@@ -1,5 +1,5 @@
-"""The indexes distlock's migrations make in each vendor's own form (migrations 0005 and
-0008, through distlock/migrations/_operations.py), and the query terms that let a partial
+"""The indexes distlock's migrations make in each vendor's own form (migration 0001,
+through distlock/migrations/_operations.py), and the query terms that let a partial
 index serve its queries.
 
 Partial indexes (PostgreSQL, SQLite) keep an index to the rows its queries ask for, so
@@ -36,7 +36,7 @@ class IndexSQL:
     common_prefix_sql: tuple[str, str] | None = None
 
     def owned_index_sql(self, create: bool) -> str:
-        """Create (or drop) the index of the owned lock rows (migration 0005)."""
+        """Create (or drop) the index of the owned lock rows (migration 0001)."""
         if create:
             # No IF NOT EXISTS: an interrupted CONCURRENTLY build leaves an invalid index
             # of this name, which must fail the next migrate, not pass for built.
@@ -44,7 +44,7 @@ class IndexSQL:
         return f"DROP INDEX IF EXISTS {OWNED_INDEX}"
 
     def rare_events_index_sql(self, create: bool) -> str | None:
-        """Create (or drop) the index of the audit events of rare kinds (migration 0008);
+        """Create (or drop) the index of the audit events of rare kinds (migration 0001);
         None where there is none."""
         if self.rare_events_index is None:
             return None

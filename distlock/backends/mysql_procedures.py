@@ -1,4 +1,4 @@
-"""MariaDB/MySQL: the stored procedures of migration 0006 (see distlock/backends/mysql.py).
+"""MariaDB/MySQL: the stored procedures of migration 0003 (see distlock/backends/mysql.py).
 
 Kept apart from mysql.py only for its length. Each procedure runs the portable steps of
 :mod:`distlock.backends.base` in a transaction of its own and answers with one row.

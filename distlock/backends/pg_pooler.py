@@ -79,7 +79,7 @@ def probe_pooler(connection: BaseDatabaseWrapper) -> tuple[str | None, bool | No
 
 
 # Sessions that wait in distlock's queue with wake-ups on hold this advisory lock
-# (migration 0007's "queued", 1684825969, one per name they wait for).
+# (distlock_queue's "queued", 1684825969, one per name they wait for).
 _QUEUED_SESSIONS = (
     "SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' "
     "AND classid = 1684825969 AND granted AND pid <> pg_backend_pid() AND database = "

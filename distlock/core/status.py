@@ -63,7 +63,7 @@ def state_is(state: str, now_us: int) -> models.Q:
     280–380 ms at 1,000,000 rows)."""
     # "owner > ''", not "owner <> ''": the same rows ('' sorts before every owner), and
     # a range that MariaDB's index on owner can seek and that matches, term for term,
-    # the condition of the partial index on PostgreSQL and SQLite (migration 0005).
+    # the condition of the partial index on PostgreSQL and SQLite (migration 0001).
     owned = models.Q(owner__gt="")
     if state == HELD:
         return owned & models.Q(expires_us__gt=now_us)

@@ -43,7 +43,7 @@ _SYNC_ONLY_PARAMS = ("cursor_factory", "context")
 
 
 def channel(name: str) -> str:
-    """The NOTIFY channel of lock ``name``: migration 0002's ``distlock_channel()``."""
+    """The NOTIFY channel of lock ``name``: ``distlock_channel()`` (distlock/backends/postgresql_functions.py)."""
     return "distlock_" + hashlib.md5(name.encode()).hexdigest()[:24]  # noqa: S324 - a name, not a secret
 
 

@@ -37,11 +37,11 @@ from tests.support.helpers import wait_until
 
 # distlock_listen's advisory lock key space (migration 0002): (1684825963 = "dlck", hash).
 WAKEUP_CLASS = 1684825963
-# distlock_queue's (migration 0007): "someone is queued" (1684825969 = "dlcq", hash) and
+# distlock_queue's (distlock_queue): "someone is queued" (1684825969 = "dlcq", hash) and
 # "this waiting session is alive" (1684825975 = "dlcw", pid).
 QUEUE_CLASS = 1684825969
 ALIVE_CLASS = 1684825975
-# A queue entry's lock, held by its waiter (migration 0009): (1684825957 = "dlce", entry).
+# A queue entry's lock, held by its waiter (distlock_enqueue): (1684825957 = "dlce", entry).
 ENTRY_CLASS = 1684825957
 WAITING_CLASSES = [WAKEUP_CLASS, QUEUE_CLASS, ALIVE_CLASS]
 # PgBouncer tracks protocol-level prepared statements per client from 1.21

@@ -9,6 +9,8 @@ privilege, calling them EXECUTE (the creator has it); they run with the caller's
 (SQL SECURITY INVOKER), so dropping the user who migrated breaks nothing. Binary logging
 needs nothing more for procedures (log_bin_trust_function_creators is for functions and
 triggers). See docs/databases.md. The reverse drops them.
+
+It was 0.2's 0006: a database that applied that counts this one as applied.
 """
 
 from django.db import migrations
@@ -37,8 +39,12 @@ class Migration(migrations.Migration):
     # CREATE PROCEDURE is DDL, which MariaDB cannot run inside a transaction.
     atomic = False
 
+    replaces = [
+        ("distlock", "0006_mysql_procedures"),
+    ]
+
     dependencies = [
-        ("distlock", "0005_lock_owned_index"),
+        ("distlock", "0002_postgresql_version_1"),
     ]
 
     operations = [
