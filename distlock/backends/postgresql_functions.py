@@ -18,6 +18,9 @@ previous one back. So the current text of every function is read here, not rebui
 migration diffs. Version 1 is the squash of distlock 0.2's migrations 0002–0012, with the
 same function bodies (comments aside) and the same schema.
 
+The module is SQL text, longer than the house's 400 lines for a module of code: it is
+kept whole so that the functions read together, in the order they are created.
+
 The statements take no parameters (``schema_editor.execute(sql, params=None)``): a ``%``
 is the modulo operator or a ``format()`` placeholder, never a driver placeholder.
 """
