@@ -42,14 +42,14 @@ class VendorIndex(migrations.operations.base.Operation):
 
 
 class OwnedIndex(VendorIndex):
-    """The index of the owned lock rows (migration 0005)."""
+    """The index of the owned lock rows (migration 0001)."""
 
     sql_method = "owned_index_sql"
     description = "Index the owned rows of the lock table"
 
 
 class RareEventsIndex(VendorIndex):
-    """The index of the audit events of rare kinds (migration 0008)."""
+    """The index of the audit events of rare kinds (migration 0001)."""
 
     sql_method = "rare_events_index_sql"
     description = "Index the audit events of rare kinds"
