@@ -157,13 +157,19 @@ def check_using(using: object) -> str:
     return using
 
 
+def check_token_range(value: object, what: str) -> int:
+    """Return ``value`` if it is an int from 1 to MAX_TOKEN: a token, or a number of
+    tokens (the failover margin); ``what`` names it in the TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not 1 <= value <= MAX_TOKEN:
+        raise ValueError(f"{what} must be between 1 and {MAX_TOKEN}, not {value}")
+    return value
+
+
 def check_token(token: object) -> int:
     """Return ``token`` if it can be a fencing token."""
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise TypeError(f"token must be an int, not {type(token).__name__}")
-    if not 1 <= token <= MAX_TOKEN:
-        raise ValueError(f"token must be between 1 and {MAX_TOKEN}, not {token}")
-    return token
+    return check_token_range(token, "token")
 
 
 def check_owner(owner: object) -> str:

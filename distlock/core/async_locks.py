@@ -129,6 +129,10 @@ async def _try_or_give_back(request: Request) -> Lease | Busy:
         raise
 
 
+# aacquire, alocked and abreak_lock repeat the signatures of their sync twins on purpose:
+# a public signature has to be written out for help(), IDEs and type checkers to read it.
+# The arguments are checked once, in the shared core (grants.Request, name_template,
+# break_lock itself).
 async def aacquire(
     name: str,
     *,

@@ -103,7 +103,8 @@ class Lease:
 
     # The grant's times as the database gave them (epoch microseconds), turned into aware
     # datetimes when first read: most leases are released without anyone reading them,
-    # and three datetimes were a measurable part of a cycle's client CPU.
+    # and three datetimes were a measurable part of a cycle's client CPU. Three plain
+    # properties, alike, rather than a descriptor: each keeps its own docstring and type.
 
     @property
     def expires_at(self) -> datetime | None:

@@ -27,7 +27,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from celery import Task, current_task
@@ -35,6 +35,7 @@ from celery.local import Proxy
 from celery.signals import before_task_publish
 
 from distlock.integrations.policies import (
+    Alias,
     Contention,
     ContentionPolicy,
     LockContended,
@@ -42,11 +43,10 @@ from distlock.integrations.policies import (
     Retry,
     Skip,
     Wait,
-    resolve,
     task_lock_busy,
 )
-from distlock.integrations.taskfunc import TaskFunction, check_namer, run_locked
-from distlock.validation import Seconds, check_timeout, check_ttl
+from distlock.integrations.taskfunc import TaskFunction, check_options, run_locked
+from distlock.validation import Seconds, check_ttl
 
 if TYPE_CHECKING:
     from distlock.core.leases import Lease, LostCallback
@@ -59,7 +59,6 @@ __all__ = [
 logger = logging.getLogger("distlock.integrations.celery")
 
 R = TypeVar("R")
-Alias = Literal["skip", "retry", "wait", "raise"]
 
 # How long a retried run waits for its own previous run to release (see wrapper).
 RETRY_GRACE = 2.0
@@ -134,13 +133,9 @@ def locked_task(
     :data:`task_lock_busy`. ``auto_renew`` renews the lease in a helper thread for long
     tasks; a TTL longer than the broker's visibility timeout is reported with a warning.
     """
-    check_namer(name)
-    if ttl is not None:
-        check_ttl(ttl)
-    wait = check_timeout(timeout)
-    policy = resolve(
-        on_contention, timeout=wait, countdown=countdown, max_retries=max_retries,
-        jitter=jitter,
+    wait, policy = check_options(
+        name, ttl=ttl, timeout=timeout, on_contention=on_contention, countdown=countdown,
+        max_retries=max_retries, jitter=jitter,
     )
 
     def decorate(func: Callable[..., R]) -> Callable[..., R | None]:

@@ -17,7 +17,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 from django.dispatch import Signal
 
@@ -31,7 +31,9 @@ __all__ = [
 
 logger = logging.getLogger("distlock.integrations.celery")
 
-ALIASES = ("skip", "retry", "wait", "raise")
+#: ``on_contention``'s strings (:func:`resolve`).
+Alias = Literal["skip", "retry", "wait", "raise"]
+ALIASES: tuple[str, ...] = get_args(Alias)
 
 #: Sent in the worker whenever a locked task found its lock held and did not run its
 #: body this time: sender=the task; name (lock name), policy (its alias: "skip",

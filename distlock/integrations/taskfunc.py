@@ -15,13 +15,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from distlock.exceptions import LockTimeout
+from distlock.integrations.policies import Alias, ContentionPolicy, resolve
 from distlock.names import NameTemplate
-from distlock.validation import check_name
+from distlock.validation import Seconds, check_name, check_timeout, check_ttl
 
 if TYPE_CHECKING:
     from distlock.core.leases import Lease, LostCallback
 
-__all__ = ["TaskFunction", "arun_locked", "check_namer", "run_locked"]
+__all__ = ["TaskFunction", "arun_locked", "check_namer", "check_options", "run_locked"]
 
 R = TypeVar("R")
 
@@ -38,6 +39,29 @@ def check_namer(name: object) -> NameTemplate | None:
             f"lock name must be a str template or a callable, not {type(name).__name__}"
         )
     return None
+
+
+def check_options(
+    name: object, *, ttl: Seconds | None, timeout: Seconds | None,
+    on_contention: ContentionPolicy | Alias, countdown: Seconds, max_retries: int | None,
+    jitter: bool | Seconds,
+) -> tuple[float | None, ContentionPolicy]:
+    """``locked_task``'s options, checked at decoration so a bad one fails at import:
+    ``(timeout in seconds or None, the contention policy)``.
+
+    The TTL is only checked here, not kept: each run checks it again (the settings may
+    have changed) and, with none given, reads DISTLOCK_DEFAULT_TTL then. Raises
+    TypeError/ValueError for a bad option.
+    """
+    check_namer(name)
+    if ttl is not None:
+        check_ttl(ttl)
+    wait = check_timeout(timeout)
+    policy = resolve(
+        on_contention, timeout=wait, countdown=countdown, max_retries=max_retries,
+        jitter=jitter,
+    )
+    return wait, policy
 
 
 class TaskFunction:

@@ -65,12 +65,16 @@ from contextvars import ContextVar
 from datetime import timedelta
 from importlib import import_module
 from importlib.util import find_spec
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.utils import timezone
 
+# The policies are this module's API too, named one by one as in distlock.celery: a star
+# import would hide them from type checkers (mypy does not follow distlock.tasks' star
+# import through a second one).
 from distlock.integrations.policies import (
+    Alias,
     Contention,
     ContentionPolicy,
     LockContended,
@@ -78,11 +82,10 @@ from distlock.integrations.policies import (
     Retry,
     Skip,
     Wait,
-    resolve,
     task_lock_busy,
 )
-from distlock.integrations.taskfunc import TaskFunction, arun_locked, check_namer, run_locked
-from distlock.validation import Seconds, check_timeout, check_ttl
+from distlock.integrations.taskfunc import TaskFunction, arun_locked, check_options, run_locked
+from distlock.validation import Seconds, check_ttl
 
 if TYPE_CHECKING:
     from distlock.core.leases import LostCallback
@@ -95,7 +98,6 @@ __all__ = [
 logger = logging.getLogger("distlock.integrations.tasks")
 
 R = TypeVar("R")
-Alias = Literal["skip", "retry", "wait", "raise"]
 
 #: The keyword argument that carries a requeued run's retry count.
 RETRIES_KWARG = "distlock_retries"
@@ -189,6 +191,9 @@ class _Requeue:
         return _Requeued(str(queued.id))
 
 
+# The options of distlock.celery's locked_task, spelled out again: a public signature has
+# to be written where help(), IDEs and type checkers read it. What they mean is shared
+# (check_options, TaskFunction, run_locked, the policies).
 def locked_task(
     name: str | Callable[..., str],
     *,
@@ -233,13 +238,9 @@ def locked_task(
     ``@task``, an async generator, a ``lease`` that is not keyword-only, a parameter
     named ``distlock_retries``).
     """
-    check_namer(name)
-    if ttl is not None:
-        check_ttl(ttl)
-    wait = check_timeout(timeout)
-    policy = resolve(
-        on_contention, timeout=wait, countdown=countdown, max_retries=max_retries,
-        jitter=jitter,
+    wait, policy = check_options(
+        name, ttl=ttl, timeout=timeout, on_contention=on_contention, countdown=countdown,
+        max_retries=max_retries, jitter=jitter,
     )
 
     def decorate(func: Callable[..., R]) -> Callable[..., Any]:

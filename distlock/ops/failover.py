@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlock import db, signals
-from distlock.constants import MAX_TOKEN
 from distlock.core import uncommitted
-from distlock.validation import check_text, check_using
+from distlock.validation import check_text, check_token_range, check_using
 
 #: The default margin: more grants than the lost primary can have made that the standby
 #: never received. One name is granted at most a few thousand times a second (one commit
@@ -43,11 +42,7 @@ class RaisedTokens:
 
 def check_margin(margin: object) -> int:
     """Return ``margin`` if it is a whole number from 1 to MAX_TOKEN."""
-    if isinstance(margin, bool) or not isinstance(margin, int):
-        raise TypeError(f"margin must be an int, not {type(margin).__name__}")
-    if not 1 <= margin <= MAX_TOKEN:
-        raise ValueError(f"margin must be between 1 and {MAX_TOKEN}, not {margin}")
-    return margin
+    return check_token_range(margin, "margin")
 
 
 def raise_tokens(

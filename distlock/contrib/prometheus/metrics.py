@@ -172,6 +172,8 @@ def _stale_write(sender: object, lease: Lease, **kwargs: Any) -> None:
     series(lease.name).stale_writes.inc()
 
 
+# Shaped like ops/audit.py's table, but each lists the signals its module listens to;
+# connecting them is shared (signals.connect_receivers).
 def _receivers() -> list[tuple[Signal, Any, str]]:
     return [
         (signals.lock_acquired, _acquired, "acquired"),

@@ -22,6 +22,8 @@ from distlock.ops.audit import purge_events, retention
 
 
 class Command(LockCommand):
+    # Each command declares its options as argparse calls, alike in shape, different in
+    # content (distlock_list's): the common ones (--database) are in _common.LockCommand.
     def add_options(self, parser: CommandParser) -> None:
         parser.add_argument("--idle", default="1d", help="Minimum idle time of a lock row.")
         parser.add_argument(
