@@ -45,7 +45,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         if not isinstance(getattr(conf, key), bool):
             errors.append(Error(f"DISTLOCK_{key} must be True or False.", id="distlock.E005"))
     listeners = conf.LISTENING_WAITERS
-    # An int4 for the SQL functions (distlock_enqueue's p_listeners); bool is an int, but not a count.
+    # An int4 for distlock_enqueue's p_listeners; bool is an int, but not a count.
     if type(listeners) is not int or not 1 <= listeners <= 2**31 - 1:
         errors.append(Error(
             "DISTLOCK_LISTENING_WAITERS must be a whole number of at least 1.",

@@ -17,8 +17,8 @@ transaction on the model's database and is decided there, never by Python:
 On PostgreSQL, outside the caller's ``atomic()``, ``save(fence=)`` of an existing row and
 ``fenced_update`` are *one* autocommit statement: the ownership check is folded into the
 conditional UPDATE as ``(SELECT distlock_holds(…))`` (the same locking read, FOR SHARE,
-in a function of distlock/backends/postgresql_functions.py), which PostgreSQL runs once, before it writes a row,
-holding the share lock until the statement commits. Same check, same lock,
+in a function of backends/postgresql_functions.py), which PostgreSQL runs once, before
+it writes a row, holding the share lock until the statement commits. Same check, same lock,
 one round trip and one commit instead of five (see the README, Performance).
 
 A refusal raises :class:`~distlock.exceptions.StaleToken`, writes nothing (the statement

@@ -43,7 +43,8 @@ _SYNC_ONLY_PARAMS = ("cursor_factory", "context")
 
 
 def channel(name: str) -> str:
-    """The NOTIFY channel of lock ``name``: ``distlock_channel()`` (distlock/backends/postgresql_functions.py)."""
+    """The NOTIFY channel of lock ``name``: ``distlock_channel()``
+    (distlock/backends/postgresql_functions.py)."""
     return "distlock_" + hashlib.md5(name.encode()).hexdigest()[:24]  # noqa: S324 - a name, not a secret
 
 
