@@ -14,7 +14,6 @@ when the database aborted it (serialization failures, deadlocks).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
@@ -160,45 +159,23 @@ def run_on(
                 if connection.connection is None:
                     # _drop_if_broken closed it, or a retry follows a lost connection.
                     connection.ensure_connection()
-                try:
-                    with backend.statement_cursor(connection) as cursor:
-                        return method(cursor, *args)
-                except (DatabaseError, DistlockError):
-                    raise
-                except BaseException:
-                    backend.interrupted(connection)
-                    raise
-            try:
-                with (
-                    transaction.atomic(using=connection.alias, durable=True),
-                    connection.cursor() as cursor,
-                ):
+                with backend.statement_cursor(connection) as cursor:
                     return method(cursor, *args)
-            except (DatabaseError, DistlockError):
-                raise
-            except BaseException:
-                _abandon(connection)
-                raise
+            with (
+                transaction.atomic(using=connection.alias, durable=True),
+                connection.cursor() as cursor,
+            ):
+                return method(cursor, *args)
         except DatabaseError as exc:
             if attempt >= RETRIES or not backend.retryable(exc):
                 raise
-
-
-def _abandon(connection: BaseDatabaseWrapper) -> None:
-    """After an exception from outside the database (KeyboardInterrupt, a Celery soft time
-    limit) came out of one operation's transaction: close the connection.
-
-    Such an exception can land anywhere, also inside Django's own ``atomic()`` between
-    its BEGIN and the point where it would roll back, and then the transaction stays open
-    on the connection: on SQLite that is the database's one write lock, and every other
-    process waited until the busy timeout, again and again (found by
-    tests/test_waiting_model.py). Closing ends whatever is open; Django opens a new
-    connection for the next query. Left alone if Django still counts an atomic block
-    open, which only its own exit may close.
-    """
-    if not connection.in_atomic_block:
-        with contextlib.suppress(Exception):
-            connection.close()
+        except DistlockError:
+            raise
+        except BaseException:
+            # From outside the database (KeyboardInterrupt, a Celery soft time limit):
+            # the one place that cleans up after it, on both paths (Backend.interrupted).
+            backend.interrupted(connection)
+            raise
 
 
 def db_now_us(alias: str) -> int:

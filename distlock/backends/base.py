@@ -20,6 +20,7 @@ Times are integer microseconds since the Unix epoch, by the database clock.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from django.core.checks import CheckMessage
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from distlock.backends import lean_cursor
 from distlock.backends.floor import TokenFloorSQL
 from distlock.backends.indexes import IndexSQL
 from distlock.backends.results import RENEW_REFUSED, Busy, Grant, exhausted
@@ -148,10 +150,29 @@ class Backend(TokenFloorSQL, IndexSQL):
         return connection.cursor()
 
     def interrupted(self, connection: BaseDatabaseWrapper) -> None:
-        """A one-statement operation was cut short by an exception from outside the
-        database (KeyboardInterrupt, a task's soft time limit): clean up what that can
-        leave open on the connection. Nothing here: PostgreSQL's statements are read
-        whole or cancelled, MariaDB's CALL cursor closes its own connection."""
+        """An operation was cut short by an exception from outside the database
+        (KeyboardInterrupt, a Celery soft time limit, anything a signal handler raises):
+        close the connection. :func:`distlock.db.run_on` calls this, and only it, for
+        both of its paths, so every vendor and every operation gets the same cleanup.
+
+        Such an exception can land anywhere: between a statement and the reading of its
+        answer, or inside Django's ``atomic()`` between its BEGIN and the point where it
+        would roll back. What it can leave on the session, by vendor: SQLite's lean
+        cursor holding an ``UPDATE … RETURNING`` not read to its end, or a ``BEGIN
+        IMMEDIATE`` left open — either keeps the file's one write lock, and every other
+        process waited out its busy timeout while this one sat idle (found by
+        tests/test_waiting_model.py); MariaDB's CALL with result sets unread, after which
+        every statement fails with "commands out of sync" (2014); on any of them an open
+        transaction holding row locks. Closing ends all of it, whatever it was, and
+        Django opens a new connection for the next query: one rule instead of one
+        cleanup per vendor and cursor, at the price of a reconnect after something that
+        is rare. Left alone while Django still counts an atomic block open, which only
+        its own exit may close (closing then would leave it marked broken for good).
+        """
+        if not connection.in_atomic_block:
+            lean_cursor.forget(connection)
+            with contextlib.suppress(Exception):
+                connection.close()
 
     # -- transactions and connections ----------------------------------------------------
 

@@ -11,6 +11,7 @@ statements, MariaDB's extra result sets of a CALL, SQLite's ``?`` placeholders.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -69,6 +70,17 @@ class LeanCursor:
         if cursor is None or cursor.raw is not connection.connection or type(cursor) is not cls:
             cursor = connection._distlock_cursor = cls(connection)  # type: ignore[attr-defined]
         return cursor
+
+
+def forget(connection: BaseDatabaseWrapper) -> None:
+    """Drop ``connection``'s lean cursor, closing the driver's cursor under it: a statement
+    it left open (an ``UPDATE … RETURNING`` not read to its end) ends now. Only closing
+    the connection is not enough: sqlite3's close() leaves the session alive, its write
+    lock held, for as long as a statement of it is (until the cursor is collected)."""
+    cursor: LeanCursor | None = connection.__dict__.pop("_distlock_cursor", None)
+    if cursor is not None and cursor.cursor is not None:
+        with contextlib.suppress(Exception):
+            cursor.cursor.close()
 
 
 class ReadAtOnce(LeanCursor):

@@ -13,7 +13,6 @@ still means busy.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage, Warning
@@ -299,23 +298,17 @@ class _RawCursor(ReadAtOnce):
             query %= tuple([raw.literal(value) for value in params])
         with self.db.wrap_database_errors:
             self.rows = []
-            try:
-                raw.query(query)
-                result = raw.store_result()
-                self.count = raw.affected_rows()
-                if result is not None:
-                    self.rows = list(result.fetch_row(0))
-                while raw.next_result() == 0:
-                    raw.store_result()
-            except BaseException as exc:
-                # Interrupted between the query and its result sets (KeyboardInterrupt,
-                # Celery's SoftTimeLimitExceeded): what is left unread would make every
-                # later statement fail with "commands out of sync" (2014). The
-                # connection is closed instead; Django opens a new one.
-                if not isinstance(exc, self.db.Database.Error):  # type: ignore[attr-defined]
-                    with contextlib.suppress(Exception):
-                        self.db.close()
-                raise
+            # Interrupted between the query and its result sets (KeyboardInterrupt, a
+            # soft time limit), what is left unread would make every later statement fail
+            # with "commands out of sync" (2014): db.run_on closes the connection then
+            # (Backend.interrupted).
+            raw.query(query)
+            result = raw.store_result()
+            self.count = raw.affected_rows()
+            if result is not None:
+                self.rows = list(result.fetch_row(0))
+            while raw.next_result() == 0:
+                raw.store_result()
 
 
     def nextset(self) -> Any:

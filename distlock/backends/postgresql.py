@@ -8,6 +8,7 @@ BEGIN and COMMIT, as prepared statements sent through libpq (:mod:`~distlock.bac
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Any, ClassVar
@@ -28,6 +29,9 @@ _RETRY_SQLSTATES = {"40001", "40P01"}
 # A row-lock wait ended by the session's lock_timeout (55P03 lock_not_available;
 # distlock never uses NOWAIT, the other source of it).
 _LOCK_WAIT_SQLSTATES = {"55P03"}
+# A session's transaction status, as libpq reports it: no statement running, none open;
+# a statement running.
+_IDLE, _ACTIVE = 0, 1
 
 # Every server-side function distlock's migrations (0002, 0007, 0009, 0010) create and its
 # operations call, directly or from another of them: the doctor names any this session
@@ -136,6 +140,26 @@ class PostgreSQL(Backend):
         if conf.PREPARE_STATEMENTS:
             return WireCursor.reused(connection)
         return _BoundCursor.reused(connection)
+
+    def interrupted(self, connection: BaseDatabaseWrapper) -> None:
+        """Keep a session the driver has already brought back to idle: on Ctrl-C psycopg
+        cancels the statement on the server and reads its end, so nothing of the
+        operation is left, and the caller's session settings (a ``SET lock_timeout``, a
+        LISTEN) stay. Any other state — a transaction left open, a statement still
+        running after an exception psycopg does not catch (a soft time limit) — is
+        closed, as on every database; a running statement is cancelled first: a backend
+        waiting for a row lock does not see its client go until the wait ends, and would
+        then run the operation for nobody."""
+        raw = connection.connection
+        if raw is not None:
+            # psycopg 3's TransactionStatus and psycopg 2's TRANSACTION_STATUS_* agree.
+            status = raw.info.transaction_status
+            if status == _IDLE:
+                return
+            if status == _ACTIVE:
+                with contextlib.suppress(Exception):
+                    raw.cancel()
+        super().interrupted(connection)
 
     # -- wake-ups: LISTEN/NOTIFY (see wakeups.py) ----------------------------------------
 

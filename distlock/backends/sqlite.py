@@ -137,15 +137,6 @@ class SQLite(Backend):
         (db.run_on() has opened the connection, also one it just closed as broken.)"""
         return _QmarkCursor.reused(connection)
 
-    def interrupted(self, connection: BaseDatabaseWrapper) -> None:
-        """The lean cursor may hold an UPDATE … RETURNING not read to its end, or a
-        BEGIN IMMEDIATE of :meth:`immediate` may be open: either keeps the file's one
-        write lock, and every other process waited out its busy timeout while this one
-        sat idle (found by tests/test_waiting_model.py). Closing the connection ends
-        both; Django opens a new one."""
-        with contextlib.suppress(Exception):
-            connection.close()
-
     def busy(self, exc: DatabaseError) -> bool:
         # SQLITE_BUSY and SQLITE_LOCKED, with their extended codes (the low byte).
         code = getattr(exc.__cause__, "sqlite_errorcode", None)

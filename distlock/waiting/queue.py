@@ -198,6 +198,12 @@ class Waiter:
             try:
                 db.run(self.alias, "leave", self.name, self.entry)
             except BaseException as exc:
+                # Not left to db.run_on's Backend.interrupted: that judges what one
+                # statement may have left (and keeps a PostgreSQL session psycopg brought
+                # back to idle after Ctrl-C), and is not called for a DatabaseError. The
+                # queue's locks are the session's, outlive any statement, and only this
+                # leave gives them back: after it failed in any way, only the session's
+                # end does.
                 with contextlib.suppress(Exception):
                     self.connection.close()
                 if not isinstance(exc, DatabaseError):
