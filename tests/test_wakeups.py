@@ -662,6 +662,25 @@ def test_every_step_of_the_queue_gives_its_locks_back_when_cut_short():
         raw.close()
 
 
+def test_a_queued_waiter_pauses_at_most_poll_max_interval(settings):
+    """A queued waiter's pause (Waiter.queued_pause): jittered between half of
+    DISTLOCK_POLL_MAX_INTERVAL and all of it, wherever it stands in the queue; shorter only
+    to wake just after the holder's expiry or at the acquire's deadline. The bound of the
+    next test, checked on every pause rather than on the one that happens to matter."""
+    from distlock.backends.results import Busy
+    from distlock.waiting.queue import Waiter
+
+    settings.DISTLOCK_POLL_MAX_INTERVAL = 2.0
+    settings.DISTLOCK_WAKEUPS = False  # a Waiter that does not queue: only its pauses
+    waiter = Waiter("default", "pauses")
+    held = Busy(1, "holder", 60_000_000)
+    pauses = [waiter.queued_pause(held, None) for _ in range(2000)]
+    assert 1.0 <= min(pauses) < 1.1 and 1.9 < max(pauses) <= 2.0, (min(pauses), max(pauses))
+    assert waiter.queued_pause(Busy(1, "holder", 300_000), None) == pytest.approx(0.301)
+    assert waiter.queued_pause(held, 0.25) == 0.25
+    assert waiter.queued_pause(held, -1.0) == 0.0
+
+
 @pytest.mark.processes
 @pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
 def test_a_stopped_waiter_deep_in_the_queue_idles_the_lock_for_at_most_window_and_poll(

@@ -76,8 +76,6 @@ class Waiter:
         self.listeners = int(conf.LISTENING_WAITERS)
         # Did the lock look free once queued (freed before the entry could be seen)?
         self.free = False
-        # Waiters queued ahead of this one when it (last) queued.
-        self.ahead = 0
         if conf.WAKEUPS and self.backend.supports_wakeups():
             self.free = self._queue(True)
             if self.entry:
@@ -92,7 +90,8 @@ class Waiter:
         On a second call that leaves what the first one took: its previous entry is
         given up either way."""
         try:
-            entry, free, self.ahead, self.head = db.run(
+            # (How many are ahead is not needed: every queued waiter polls alike.)
+            entry, free, _, self.head = db.run(
                 self.alias, "enqueue", self.name, first, self.entry, self.listeners
             )
         except BaseException:
