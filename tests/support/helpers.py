@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -294,3 +294,42 @@ async def wait_for(condition: Callable[[], object], timeout: float = 10.0, what:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what or 'condition'} not met within {timeout} s")
         await asyncio.sleep(0.005)
+
+
+@contextlib.contextmanager
+def raise_in_main_thread(
+    error: type[BaseException], when: Callable[[], object], timeout: float = 10.0
+) -> Iterator[None]:
+    """While the block runs, raise ``error`` in the main thread once ``when()`` is true,
+    from a SIGUSR1 handler: the way Celery's soft time limit (SoftTimeLimitExceeded) and
+    Ctrl-C (KeyboardInterrupt) reach code, at a moment a condition picks, not a timer.
+
+    ``when`` is asked in a thread of its own, with its own connections (closed after):
+    e.g. "the main thread's statement waits for a row lock". Fails the test if it is
+    not true within ``timeout`` seconds. Only the main thread runs signal handlers.
+    """
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise error()
+
+    failed: list[BaseException] = []
+    main = threading.main_thread().ident
+    assert main == threading.get_ident(), "signal handlers run in the main thread only"
+
+    def watch() -> None:
+        try:
+            wait_until(when, timeout, f"the moment to raise {error.__name__}")
+            signal.pthread_kill(main, signal.SIGUSR1)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            failed.append(exc)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    watcher = start_thread(watch)
+    try:
+        yield
+    finally:
+        watcher.join(timeout + 30)
+        signal.signal(signal.SIGUSR1, previous)
+    if failed:
+        raise failed[0]
