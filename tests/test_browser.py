@@ -32,6 +32,7 @@ from tests.support.browser import (
     browser_or_skip,
     in_thread,
 )
+from tests.support.helpers import expired_lock
 
 
 @pytest.fixture
@@ -387,6 +388,111 @@ def test_overview_refreshes_without_navigation(
         assert later.release() is True
     finally:
         close(chromium, page)
+
+
+OVERVIEW_STATUS = "#distlock-overview-status"
+
+
+def test_overview_says_signed_out_when_the_session_ends(
+    chromium, live_server, admin_user, lock_db, settings, admin_shots
+):
+    """Issue 34: after a logout elsewhere the refresh put the whole login page inside the
+    panel and the status line still said "Refreshed"."""
+    settings.DISTLOCK_AUDIT = True
+    settings.TIME_ZONE = "Asia/Kolkata"
+    acquire("overview:signed-out", ttl=600, holder="still-here")
+    url = f"{live_server.url}/admin/distlock/lock/overview/?refresh=1"
+    page = open_as(chromium, admin_user, url)
+    try:
+        def refreshed_once(browser: Any, api: Any) -> str:
+            status = page.locator(OVERVIEW_STATUS)
+            api.expect(status).to_have_attribute("data-state", "refreshed")
+            # The database clock's time in the site's zone, never the browser's clock.
+            api.expect(status).to_have_text(re.compile(
+                r"^Refreshed every 1 s; last at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} IST\.$"))
+            return str(page.locator("#distlock-overview").get_attribute("data-refreshes"))
+
+        chromium.run(refreshed_once)
+
+        def signed_out(browser: Any, api: Any) -> dict[str, Any]:
+            # The session ends elsewhere: its cookie is gone, as after a logout in
+            # another tab (the next fetch is redirected to the login page).
+            page.context.clear_cookies()
+            status = page.locator(OVERVIEW_STATUS)
+            api.expect(status).to_have_attribute("data-state", "signed-out")
+            api.expect(status).to_have_text("Signed out — reload to sign in.")
+            page.screenshot(path=str(admin_shots / "overview-signed-out.png"))
+            return page.evaluate("""() => ({
+                status: document.querySelector("#distlock-overview-status").textContent,
+                login: document.querySelectorAll(
+                    "#distlock-overview form, #distlock-overview #id_username").length,
+                panel: document.querySelector("#distlock-overview").textContent,
+                refreshes: document.querySelector("#distlock-overview").dataset.refreshes,
+            })""")
+
+        got = chromium.run(signed_out)
+        assert "Refreshed" not in got["status"], got["status"]
+        assert got["login"] == 0, "the login page was put inside the panel"
+        assert "overview:signed-out" in got["panel"]  # the last refresh's content stays
+
+        def still_signed_out(browser: Any, api: Any) -> str:
+            # The next attempts (every 1 s) are refused the same way: wait, with the
+            # page's deadline, for two more to finish.
+            checks = int(page.locator("#distlock-overview").get_attribute("data-checks"))
+            page.wait_for_function(
+                f"() => Number(document.querySelector('#distlock-overview')"
+                f".dataset.checks) >= {checks + 2}")
+            return str(page.locator(OVERVIEW_STATUS).text_content())
+
+        assert chromium.run(still_signed_out) == "Signed out — reload to sign in."
+        assert chromium.run(lambda b, a: page.locator("#distlock-overview").get_attribute(
+            "data-refreshes")) == got["refreshes"]
+    finally:
+        close(chromium, page)
+
+
+SUMMARY_BOX = """() => {
+    const items = [...document.querySelectorAll("#distlock-summary .distlock-summary-item")];
+    return {
+        scrollY: window.scrollY, width: window.innerWidth, height: window.innerHeight,
+        docScroll: document.documentElement.scrollWidth,
+        items: items.map(li => {
+            const r = li.getBoundingClientRect();
+            return {id: li.id, top: r.top, bottom: r.bottom, left: r.left, right: r.right,
+                    text: li.innerText};
+        }),
+    };
+}"""
+
+
+def test_overview_summary_row_is_inside_the_first_viewport_at_1366(
+    chromium, live_server, admin_user, long_values, admin_shots
+):
+    expired_lock("overview:expired", holder=LONG_HOLDER)
+    url = f"{live_server.url}/admin/distlock/lock/overview/"
+    page = open_as(chromium, admin_user, url)
+    try:
+        def measure(browser: Any, api: Any) -> dict[str, Any]:
+            api.expect(page.locator("#distlock-summary-expired .distlock-figure")).to_have_text(
+                "1")
+            api.expect(page.locator("#distlock-expired")).to_contain_text("overview:expired")
+            page.screenshot(path=str(admin_shots / "overview-summary-1366.png"))
+            return page.evaluate(SUMMARY_BOX)
+
+        got = chromium.run(measure)
+    finally:
+        close(chromium, page)
+    assert got["scrollY"] == 0 and (got["width"], got["height"]) == (1366, 900), got
+    assert got["docScroll"] <= got["width"], got
+    assert [item["id"] for item in got["items"]] == [
+        f"distlock-summary-{key}" for key in ("held", "expired", "waiting", "stale", "trouble")
+    ]
+    for item in got["items"]:
+        assert item["top"] >= 0 and item["bottom"] <= got["height"], item
+        assert item["left"] >= 0 and item["right"] <= got["width"], item
+    texts = {item["id"].rsplit("-", 1)[1]: item["text"] for item in got["items"]}
+    assert texts["held"].startswith("1") and "held now" in texts["held"]
+    assert texts["stale"].startswith("1") and "stale writes refused today" in texts["stale"]
 
 
 def test_break_button_only_for_those_who_may_break(

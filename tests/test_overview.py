@@ -5,18 +5,24 @@ what is most contended and which stale writes were refused, each within its boun
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import pytest
 from django.contrib.auth.models import Permission
 from django.db import connection
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 from distlock import acquire
 from distlock.admin import overview
+from distlock.admin.views import overview as overview_views
+from distlock.core.status import locks
 from distlock.db import db_now_us
-from distlock.models import LockEvent
+from distlock.models import Lock, LockEvent
 from distlock.ops.audit import record
+from distlock.times import EPOCH, from_us
 from tests.support.helpers import expired_lock, wait_until
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -60,12 +66,27 @@ def test_most_contended_in_the_last_hour_from_the_audit(settings):
         acquire("busy", ttl=60, holder=holder).release()
     for _ in range(4):
         acquire("solo", ttl=60, holder="same").release()
-    acquire("old", ttl=60, holder="x").release()
+    for _ in range(5):
+        acquire("old", ttl=60, holder="x").release()
     LockEvent.objects.filter(name="old").update(at_us=db_now_us("default") - 2 * 3600 * 10**6)
     data = overview.overview("default")
     got = [(item.name, item.holders, item.grants) for item in data.contended]
-    assert got == [("busy", 3, 3), ("solo", 1, 4)]  # most holders first; "old" is too old
+    # Most grants first, not most holders (issue 34: a lock granted 510 times to 3
+    # workers was absent); "old" is older than the hour.
+    assert got == [("solo", 1, 4), ("busy", 3, 3)]
     assert not data.contended_capped
+
+
+def test_most_contended_counts_take_overs_as_grants_and_ranks_ties_by_them(settings):
+    settings.DISTLOCK_AUDIT = True
+    for _ in range(2):
+        acquire("calm", ttl=60, holder="w").release()
+    acquire("stolen", ttl=60, holder="w").release()
+    expired_lock("stolen", holder="sleepy")
+    acquire("stolen", ttl=60, holder="thief").release()  # a take-over
+    got = [(item.name, item.grants, item.took_over)
+           for item in overview.overview("default").contended]
+    assert got == [("stolen", 3, 1), ("calm", 2, 0)]
 
 
 @pytest.mark.skipif("connection.vendor != 'sqlite'", reason="SQLite's planner, steered")
@@ -90,7 +111,8 @@ def test_stale_writes_refused_today(settings):
         record("stale_write", name="fenced", using="default", token=lease.token,
                detail=f"shop.Account: write {n} refused")
     record("stale_write", name="yesterday", using="default", token=1)
-    LockEvent.objects.filter(name="yesterday").update(at_us=overview.midnight_us() - 1)
+    LockEvent.objects.filter(name="yesterday").update(
+        at_us=overview.midnight_us(db_now_us("default")) - 1)
     data = overview.overview("default")
     assert data.stale_count == 3 and not data.stale_capped
     assert [event.detail for event in data.stale] == [
@@ -126,7 +148,7 @@ def test_waiting_is_unknown_where_waiters_register_nowhere():
 @pytest.mark.no_pooler("plays waiters by hand: a session advisory lock and LISTEN")
 @pytest.mark.skipif("connection.vendor != 'postgresql'",
                     reason="waiters register (pg_locks) on PostgreSQL only")
-def test_waiting_sessions_on_postgresql():
+def test_waiting_sessions_on_postgresql(admin_client):
     import psycopg
 
     params = connection.get_connection_params()
@@ -145,6 +167,12 @@ def test_waiting_sessions_on_postgresql():
         name, count, who = found[0]
         assert (name, count) == ("wanted", 2)
         assert re.fullmatch(r"waiter-[01] pid \d+, waiter-[01] pid \d+", who)
+        html = admin_client.get(reverse(FRAGMENT)).content.decode()
+        pids = sorted(str(raw.info.backend_pid) for raw in sessions[:2])
+        assert sorted(re.findall(r"waiter-[01] <span class=\"distlock-quiet\">"
+                                 r"server session pid (\d+)</span>", html)) == pids
+        assert re.search(r'id="distlock-summary-waiting">.*?distlock-figure">2<', html,
+                         re.DOTALL)
         sessions[0].execute("SELECT distlock_unlisten(%s)", ["wanted"])
         assert [row[:2] for row in overview.waiting("default")[0]] == [("wanted", 1)]
     finally:
@@ -203,3 +231,204 @@ def test_linked_from_the_locks_list_and_the_app_index(admin_client):
         reverse("admin:distlock_lock_changelist")).content.decode()
     assert f'href="{url}"' in admin_client.get(
         reverse("admin:app_list", args=["distlock"])).content.decode()
+
+
+# --- the summary row, the expired locks, the waiters, the clock (issue 34) -------------
+
+
+def figures(html: str) -> dict[str, str]:
+    """The summary row's counts by item, as shown ("3", "12+", "?")."""
+    row = html.split('id="distlock-summary"', 1)[1].split("</ul>", 1)[0]
+    return dict(re.findall(
+        r'id="distlock-summary-(\w+)">.*?<span class="distlock-figure">([^<]*)</span>',
+        row, re.DOTALL))
+
+
+def links(html: str, item: str) -> list[str]:
+    block = html.split(f'id="distlock-summary-{item}"', 1)[1].split("</li>", 1)[0]
+    return [href.replace("&amp;", "&") for href in re.findall(r'href="([^"]*)"', block)]
+
+
+def section(html: str, name: str) -> str:
+    return html.split(f'id="distlock-{name}"', 1)[1].split('<div class="module"', 1)[0]
+
+
+def names_in(html: str, name: str, row_class: str) -> list[str]:
+    return re.findall(rf'<tr class="{row_class}"><td><a href="[^"]*">([^<]*)</a>',
+                      section(html, name))
+
+
+def test_summary_counts_equal_the_rows_and_link_to_the_filtered_lists(
+    django_user_model, settings
+):
+    settings.DISTLOCK_AUDIT = True
+    for n in range(2):
+        acquire(f"sum:held-{n}", ttl=600, holder="live")
+    for n in range(3):
+        expired_lock(f"sum:expired-{n}")
+    acquire("sum:free", ttl=60).release()
+    for n in range(2):
+        record("stale_write", name="sum:held-0", using="default", token=1, detail=str(n))
+    record("lost", name="sum:expired-0", using="default", token=1)
+    for _ in range(2):
+        record("broken", name="sum:held-1", using="default", token=1, by="ops (admin)")
+    record("stale_write", name="sum:yesterday", using="default", token=1)
+    record("broken", name="sum:yesterday", using="default", token=1)
+    now = db_now_us("default")
+    LockEvent.objects.filter(name="sum:yesterday").update(
+        at_us=overview.midnight_us(now) - 1)
+
+    client = staff(django_user_model, "viewer", "view_lock", "view_lockevent")
+    html = client.get(reverse(FRAGMENT)).content.decode()
+    states = [row.state for row in locks("default")]
+    today = LockEvent.objects.filter(at_us__gte=overview.midnight_us(now))
+    expected = {
+        "held": states.count("held"), "expired": states.count("expired"),
+        "stale": today.filter(kind="stale_write").count(),
+        "trouble": today.filter(kind__in=["lost", "broken"]).count(),
+    }
+    assert expected == {"held": 2, "expired": 3, "stale": 2, "trouble": 3}
+    shown = figures(html)
+    assert {key: int(shown[key]) for key in expected} == expected
+    if connection.vendor == "postgresql":
+        assert shown["waiting"] == "0"
+    else:
+        assert shown["waiting"] == "?"  # nobody can tell here (the waiting note says why)
+
+    locks_url, events_url = (reverse("admin:distlock_lock_changelist"),
+                             reverse("admin:distlock_lockevent_changelist"))
+    assert links(html, "held") == [f"{locks_url}?state=held"]
+    assert links(html, "expired") == [f"{locks_url}?state=expired"]
+    assert links(html, "waiting") == ["#distlock-waiting"]
+    assert links(html, "stale") == [f"{events_url}?kind=stale_write&age=day"]
+    assert links(html, "trouble") == [f"{events_url}?kind=lost&age=day",
+                                      f"{events_url}?kind=broken&age=day"]
+    assert "1 lost" in html and "2 broken" in html
+    # Each link lists what its count counts (within the last 24 hours for the events).
+    listed = client.get(links(html, "expired")[0]).content.decode()
+    assert all(f"sum:expired-{n}" in listed for n in range(3))
+    assert "sum:held-0" not in listed and "sum:free" not in listed
+    listed = client.get(links(html, "held")[0]).content.decode()
+    assert "sum:held-0" in listed and "sum:held-1" in listed and "sum:expired-0" not in listed
+    listed = client.get(links(html, "trouble")[1]).content.decode()
+    assert "sum:held-1" in listed and "sum:expired-0" not in listed
+
+
+def test_the_summary_is_the_first_thing_in_the_fragment(admin_client):
+    html = admin_client.get(reverse(FRAGMENT)).content.decode()
+    assert html.lstrip().startswith('<ul class="distlock-summary" id="distlock-summary">')
+    assert html.index('id="distlock-summary"') < html.index('id="distlock-held"')
+    page = admin_client.get(reverse(PAGE)).content.decode()
+    assert page.index('id="distlock-summary"') < page.index('id="distlock-held"')
+
+
+def test_today_counts_are_bounded_by_the_event_window(settings, monkeypatch):
+    settings.DISTLOCK_AUDIT = True
+    monkeypatch.setattr(overview, "EVENT_WINDOW", 3)
+    for _ in range(2):
+        record("broken", name="early", using="default", token=1)
+    for n in range(3):
+        record("lost", name="late", using="default", token=n)
+    data = overview.overview("default")
+    assert data.stale_capped and (data.lost_count, data.broken_count) == (3, 0)
+
+
+def test_expired_locks_are_listed_most_recently_expired_first(admin_client):
+    acquire("exp:held", ttl=600)
+    for name in ("exp:first", "exp:second", "exp:third"):
+        expired_lock(name, holder=f"{name}-holder")
+    taken = expired_lock("exp:taken")
+    acquire("exp:taken", ttl=600)  # taken over: held again, not expired
+    now = db_now_us("default")
+    rows, count = overview.expired_now("default", now, limit=2)
+    assert count == 3 and [row.name for row in rows] == ["exp:third", "exp:second"]
+    assert all(row.expires_us <= now for row in rows)
+
+    html = admin_client.get(reverse(FRAGMENT)).content.decode()
+    assert re.search(r'id="distlock-expired-count">3<', html)
+    assert names_in(html, "expired", "distlock-expired-row") == [
+        "exp:third", "exp:second", "exp:first"]
+    assert "exp:first-holder" in section(html, "expired")
+    assert names_in(html, "held", "distlock-held-row") == ["exp:held", "exp:taken"]
+    assert len(re.findall(r'<span class="distlock-relative">(?:\d+ s ago|now)</span>',
+                          section(html, "expired"))) == 3
+    assert taken.token < Lock.objects.get(name="exp:taken").token
+
+
+def test_most_contended_on_the_page_is_ranked_by_grants(admin_client, settings):
+    settings.DISTLOCK_AUDIT = True
+    for n in range(6):
+        acquire("rank:hot", ttl=60, holder=f"worker-{n % 2}").release()
+    for holder in ("a", "b", "c"):
+        acquire("rank:spread", ttl=60, holder=holder).release()
+    acquire("rank:once", ttl=60, holder="z").release()
+    html = admin_client.get(reverse(FRAGMENT)).content.decode()
+    assert names_in(html, "contended", "distlock-contended-row") == [
+        "rank:hot", "rank:spread", "rank:once"]
+    hot = section(html, "contended").split("rank:hot</a>", 1)[1].split("</tr>", 1)[0]
+    assert re.match(r"</td><td><a [^>]*>6</a></td><td>0</td><td>2</td>", hot), hot
+
+
+@pytest.mark.parametrize(("who", "sessions"), [
+    ("waiter-0 pid 101, waiter-1 pid 102",
+     [{"who": "waiter-0", "server_pid": "101"}, {"who": "waiter-1", "server_pid": "102"}]),
+    ("10.0.0.7 pid 55", [{"who": "10.0.0.7", "server_pid": "55"}]),
+    ("odd, name pid 7", [{"who": "odd, name", "server_pid": "7"}]),
+    ("no pid here", [{"who": "no pid here", "server_pid": ""}]),
+    ("a pid 1, garbled", [{"who": "a", "server_pid": "1"},
+                          {"who": "garbled", "server_pid": ""}]),
+])
+def test_waiting_sessions_are_read_apart_from_the_server_pid(who, sessions):
+    assert overview_views.waiting_sessions(who) == sessions
+
+
+def test_waiters_are_named_and_the_server_pid_labelled_on_the_page(admin_client, monkeypatch):
+    """Whatever the database: the page shows a waiting session's name, and its pid only
+    as the server session's (never like an application's ``pid=``)."""
+    acquire("wait:wanted", ttl=600)
+    monkeypatch.setattr(overview, "waiting", lambda alias: (
+        [("wait:wanted", 2, "billing-worker pid 4242, 10.1.2.3 pid 4243")], "note"))
+    html = admin_client.get(reverse(FRAGMENT)).content.decode()
+    waiting = section(html, "waiting")
+    assert '<span class="distlock-waiter">billing-worker <span class="distlock-quiet">' \
+        "server session pid 4242</span></span>" in waiting
+    assert "10.1.2.3" in waiting and "server session pid 4243" in waiting
+    assert not re.search(r"(?<!session )pid \d", waiting)
+    assert figures(html)["waiting"] == "2"
+
+
+def test_one_clock_the_databases_in_the_site_zone_with_the_zone_shown(
+    admin_client, settings
+):
+    settings.TIME_ZONE = "Asia/Kolkata"
+    settings.DISTLOCK_AUDIT = True
+    lease = acquire("clock:held", ttl=600)
+    record("stale_write", name="clock:held", using="default", token=lease.token)
+    expired_lock("clock:expired")
+    html = admin_client.get(reverse(FRAGMENT)).content.decode()
+    row = Lock.objects.get(name="clock:held")
+    expires = timezone.localtime(from_us(row.expires_us), ZoneInfo("Asia/Kolkata"))
+    held = section(html, "held")
+    assert f"{expires:%H:%M:%S} IST</time>" in held
+    assert re.search(r"\d\d:\d\d:\d\d IST</time>", section(html, "expired"))
+    assert re.search(r"\d\d:\d\d:\d\d IST</time>", section(html, "stale"))
+    assert re.search(r'data-now="\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} IST"', html)
+    assert "time zone Asia/Kolkata" in html
+    # No time on the page without its zone: every <time> ends with IST.
+    shown = re.findall(r"<time[^>]*>([^<]*)</time>", html)
+    assert len(shown) >= 4 and all(text.endswith(" IST") for text in shown), shown
+
+
+def test_midnight_is_the_database_clocks_today_in_the_site_zone(settings):
+    settings.TIME_ZONE = "Asia/Kolkata"
+    # 2026-12-03 01:30 IST is 2026-12-02 20:00 UTC: today in Kolkata began 01:30 ago.
+    now = (datetime(2026, 12, 2, 20, 0, tzinfo=UTC) - EPOCH) // timedelta(microseconds=1)
+    assert overview.midnight_us(now) == now - (90 * 60 * 10**6)
+
+
+def test_only_the_fragment_carries_the_fragment_header(admin_client):
+    assert admin_client.get(reverse(FRAGMENT))[overview_views.FRAGMENT_HEADER] == "1"
+    assert overview_views.FRAGMENT_HEADER not in admin_client.get(reverse(PAGE))
+    signed_out = Client().get(reverse(FRAGMENT))
+    assert signed_out.status_code == 302
+    assert overview_views.FRAGMENT_HEADER not in signed_out
