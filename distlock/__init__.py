@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         alocked,
         apurge_locks,
     )
+    from distlock.core.inspection import LockStatus, alock_status, lock_status
     from distlock.core.leases import Lease
     from distlock.core.locks import (
         acquire,
@@ -42,6 +43,7 @@ __all__ = [
     "DistlockError",
     "Lease",
     "LockLost",
+    "LockStatus",
     "LockTimeout",
     "NestedLock",
     "StaleToken",
@@ -51,11 +53,13 @@ __all__ = [
     "abreak_lock",
     "acquire",
     "alock",
+    "alock_status",
     "alocked",
     "apurge_locks",
     "break_lock",
     "current_lease",
     "lock",
+    "lock_status",
     "locked",
     "purge_locks",
     "raise_tokens",
@@ -63,6 +67,9 @@ __all__ = [
 
 _LAZY = {
     "Lease": "distlock.core.leases",
+    "LockStatus": "distlock.core.inspection",
+    "alock_status": "distlock.core.inspection",
+    "lock_status": "distlock.core.inspection",
     "aacquire": "distlock.core.async_locks",
     "abreak_lock": "distlock.core.async_locks",
     "alock": "distlock.core.async_locks",

@@ -220,6 +220,12 @@ class Backend(TokenFloorSQL, IndexSQL):
         """
         return None
 
+    def waiters(self, cursor: Any, name: str) -> int | None:
+        """How many sessions wait for lock ``name`` right now, as the wake-up registrations
+        show them (:meth:`waiting` for one name, free or not); None where waiters register
+        nowhere, so nobody knows."""
+        return None
+
     # -- schema, checks and the doctor ---------------------------------------------------
 
     def name_field_collation(self, connection: BaseDatabaseWrapper) -> str | None:

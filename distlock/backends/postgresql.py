@@ -179,6 +179,17 @@ class PostgreSQL(Backend):
         cursor.execute(_WAITING, [limit])
         return [(name, int(sessions), who) for name, sessions, who in cursor.fetchall()]
 
+    def waiters(self, cursor: Any, name: str) -> int | None:
+        """The sessions holding a waiter's advisory lock on ``name``'s key (see
+        :meth:`waiting`), each counted once: a queued sync waiter that also listens holds
+        both keys. A name whose hashtext() another name shares counts that one's too."""
+        cursor.execute(
+            f"SELECT count(DISTINCT w.pid) FROM ({_WAITERS}) AS w "
+            "WHERE w.key = (hashtext(%s)::bigint & 4294967295)",
+            [name],
+        )
+        return int(cursor.fetchone()[0])
+
     def enqueue(
         self, cursor: Any, name: str, first: bool, previous: int, listeners: int
     ) -> tuple[int, bool, int, bool]:

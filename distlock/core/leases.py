@@ -172,6 +172,26 @@ class Lease:
         if self.remaining() <= 0:
             raise LockLost(self.name, self.token, "its ttl ran out")
 
+    def is_current(self) -> bool:
+        """True if this grant (owner *and* token) still holds the lock by the database
+        clock: not expired, released, broken or taken over.
+
+        A plain read in one statement, as :func:`~distlock.lock_status` is: no row lock,
+        so it never waits and may run inside your transaction; it changes nothing (a
+        False does not mark the lease lost). The answer is advice, out of date as soon
+        as it arrives: a write that must not come from a stale holder is a fenced write.
+        """
+        # The backend's read, on the alias's own connection: not db.run(), which refuses
+        # to run inside the caller's transaction (and opens one of its own).
+        connection = connections[self.using]
+        with connection.cursor() as cursor:
+            held: bool = backend_for(connection).holds(cursor, self.name, self.owner, self.token)
+        return held
+
+    async def ais_current(self) -> bool:
+        """is_current() for async code (see :meth:`arenew`)."""
+        return await sync_to_async(self.is_current)()
+
     def renew(self, ttl: float | None = None) -> None:
         """Extend the lease to ``ttl`` seconds from now (default: the ttl it was granted).
 
