@@ -33,7 +33,8 @@ pytestmark = [
 ]
 
 POLL = 6.0  # the waiter's pause: 3-6 s with jitter
-# How many of a queue's first waiters LISTEN by default (migration 0011); 1 is 0009's chain.
+# How many of a queue's first waiters LISTEN by default (DISTLOCK_LISTENING_WAITERS);
+# 1 is the chain alone.
 LISTENERS = DEFAULTS["DISTLOCK_LISTENING_WAITERS"]
 
 
@@ -118,7 +119,7 @@ def test_waiting_leaves_no_listen_or_advisory_lock_behind(children):
     assert holder.expect("released")["held"] is False
 
 
-# -- the hand-off: one waiter woken per release, in the order they queued (migration 0007) --
+# -- the hand-off: one waiter woken per release, in the order they queued ----------------
 
 IN_LINE = "tests.support.handoff_workers:in_line"
 
@@ -308,7 +309,7 @@ def test_a_killed_waiter_is_skipped_and_the_next_one_is_handed_the_lock(children
     assert second.finish() == 0
 
 
-# -- the chain: only the head listens, the others wait behind the one ahead (0009) --------
+# -- the chain: only the head listens, the others wait behind the one ahead ---------------
 
 def _holds_nothing(raw, pid: int) -> bool:
     """Backend ``pid`` is in no queue: no advisory lock held or awaited, no queue row."""
@@ -405,7 +406,7 @@ def test_ctrl_c_behind_another_waiter_leaves_the_queue_clean(children):
         assert worker.finish() == 0
 
 
-# -- the seam: the first waiters listen, those further back wait in the chain (0011) -------
+# -- the seam: the first waiters listen, those further back wait in the chain -------------
 
 @pytest.mark.processes
 @pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
@@ -567,7 +568,7 @@ def test_a_session_timeout_while_joining_the_queue_counts_as_busy_and_leaves_not
     session has a 200 ms ``lock_timeout`` or ``statement_timeout``. Joining the queue
     reads the row FOR SHARE, which runs into it: the acquire goes on as busy and gives up
     at its own timeout, raising nothing, and the session keeps no advisory lock, no queue
-    row and no LISTEN (before 0012 it raised and kept three advisory locks)."""
+    row and no LISTEN (before 0.3 it raised and kept three advisory locks)."""
     holder = acquire("edgy", ttl=60)
     raw = _raw()
     try:

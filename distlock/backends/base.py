@@ -28,9 +28,9 @@ from django.core.checks import CheckMessage
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends import lean_cursor
 from distlock.backends.floor import TokenFloorSQL
 from distlock.backends.indexes import IndexSQL
+from distlock.backends.lean_cursor import forget as forget_lean_cursor
 from distlock.backends.results import RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.constants import LOCK_TABLE as TABLE
 from distlock.constants import MAX_TOKEN
@@ -170,7 +170,7 @@ class Backend(TokenFloorSQL, IndexSQL):
         its own exit may close (closing then would leave it marked broken for good).
         """
         if not connection.in_atomic_block:
-            lean_cursor.forget(connection)
+            forget_lean_cursor(connection)
             with contextlib.suppress(Exception):
                 connection.close()
 

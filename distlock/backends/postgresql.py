@@ -33,7 +33,7 @@ _LOCK_WAIT_SQLSTATES = {"55P03"}
 # a statement running.
 _IDLE, _ACTIVE = 0, 1
 
-# Every server-side function distlock's migrations (0002, 0007, 0009, 0010) create and its
+# Every server-side function migration 0002 creates (postgresql_functions.py) and its
 # operations call, directly or from another of them: the doctor names any this session
 # cannot see.
 FUNCTIONS = (
@@ -97,7 +97,7 @@ class PostgreSQL(Backend):
     one_statement: ClassVar[frozenset[str]] = frozenset(
         {"acquire_existing", "renew", "release", "holds", "enqueue", "follow", "leave"}
     )
-    # Migration 0002's distlock_holds(): the same locking read as owner_check_sql().
+    # distlock_holds() (postgresql_functions.py): the same locking read as owner_check_sql().
     folded_owner_check_sql = "(SELECT distlock_holds(%s, %s, %s::bigint))"
     fence_trigger = True
 
@@ -172,7 +172,7 @@ class PostgreSQL(Backend):
         ``distlock_queue``), so ``pg_locks`` lists them, one row per waiting
         session (a process, or an event loop for all its coroutines). The keys are
         matched to names among the lock rows that are not free, read through the index
-        of the owned rows (``owner > ''``, migration 0005), and only when someone waits."""
+        of the owned rows (``owner > ''``, migration 0001), and only when someone waits."""
         cursor.execute(f"SELECT count(*) FROM ({_WAITERS}) AS w")
         if cursor.fetchone()[0] == 0:
             return []
@@ -193,7 +193,7 @@ class PostgreSQL(Backend):
     def enqueue(
         self, cursor: Any, name: str, first: bool, previous: int, listeners: int
     ) -> tuple[int, bool, int, bool]:
-        """Join the queue of ``name``'s waiters (migration 0011's ``distlock_enqueue``;
+        """Join the queue of ``name``'s waiters (``distlock_enqueue``, postgresql_functions.py;
         the first time also the session's "alive" and "queued" advisory locks; a
         ``previous`` entry is given up): the entry's id, which a hand-off names, whether
         the lock looked free (worth a try at once), how many are ahead, and whether this
@@ -345,8 +345,8 @@ class PostgreSQL(Backend):
         )
 
 
-# Waiting sessions' advisory locks (migration 0002's distlock_listen, "dlck", and 0007's
-# distlock_queue, "dlcq"): classid is the first key, objid the second, hashtext(name)
+# Waiting sessions' advisory locks (distlock_listen's "dlck" and distlock_queue's "dlcq",
+# postgresql_functions.py): classid is the first key, objid the second, hashtext(name)
 # read as an unsigned 32-bit number.
 _WAITERS = (
     "SELECT l.objid::bigint AS key, l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "

@@ -2,7 +2,7 @@
 
 A blocking ``acquire()`` that is refused waits before its next try. On PostgreSQL (with
 psycopg 3 and ``DISTLOCK_WAKEUPS`` on) it first joins the name's queue of waiters on its
-own connection to the lock's database (``distlock_enqueue``, migrations 0007 and 0009: a
+own connection to the lock's database (``distlock_enqueue``, backends/postgresql_functions.py: a
 row in ``distlock_waiter``, an advisory lock on the row's entry held until it leaves,
 advisory locks that say someone is queued and that this session is alive), tries once
 more at once if the lock looked free (it may have been freed before it queued), and then
@@ -20,10 +20,11 @@ nobody live, LISTENs. Each other one waits on the entry lock of the waiter just 
 when the waiter ahead leaves the queue (granted, gave up, or its session ended); it then
 looks again, and becomes the head or waits behind the next one. PostgreSQL signals every
 listening backend of the database on each NOTIFY, so with every waiter listening a
-hand-off to one of 64 cost the CPU of 64 (0009's docstring, docs/performance.md "Only
-the head listens"); with only the head listening each waiter behind it pays a statement
-more per grant, which a short queue need not (migration 0011). So a queue of up to 8
-runs with everyone listening, and a longer one turns into the chain as it moves.
+hand-off to one of 64 cost the CPU of 64 (docs/performance.md, "The first waiters
+listen": 22 % more server CPU per grant than the chain); with only the head listening
+each waiter behind it pays a statement more per grant, which a short queue need not. So
+a queue of up to 8 runs with everyone listening, and a longer one turns into the chain
+as it moves.
 
 Elsewhere (MariaDB, SQLite, psycopg 2, wake-ups off) waiting is a plain sleep.
 
@@ -85,7 +86,7 @@ class Waiter:
         """Join the queue (again, when not ``first``); True if the lock is worth a try now.
 
         The session's ``lock_timeout`` or ``statement_timeout`` may cut the call short:
-        then the database function has given back everything it took (migration 0012)
+        then the database function has given back everything it took
         and says so with entry 0, and this waiter polls from here on, as a busy try does.
         On a second call that leaves what the first one took: its previous entry is
         given up either way."""
