@@ -10,7 +10,8 @@
 ``lock_renewed``         sender=Lease class; lease (expires_at is the new expiry)
 ``lock_lost``            sender=Lease class; lease, reason (str)
 ``lock_broken``          sender=None; name, owner, token, holder, using, by (who broke it)
-``stale_write_refused``  sender=the model class; lease, instance_token (may be None)
+``stale_write_refused``  sender=the model class; lease, instance_token (may be None),
+                         reason (str: "lease expired", "lock now at token 5"…)
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils.timezone import localtime
 
-from distlock import LockLost, acquire, break_lock
+from distlock import LockLost, StaleToken, acquire, break_lock
 from distlock.admin.search import check_term, prefix_end
 from distlock.core.status import EXPIRED, FREE, HELD, STATES, locks, state_is
 from distlock.db import db_now_us
@@ -549,7 +550,7 @@ def events(settings):
 
 def test_event_list_columns(su_client, events):
     lease, _ = events
-    response = su_client.get(reverse(EVENTS))
+    response = su_client.get(reverse(EVENTS), {"kind": "all"})
     assert response.status_code == 200
     html = response.content.decode()
     kinds = [(obj.name, obj.kind) for obj in response.context["cl"].result_list]
@@ -569,13 +570,14 @@ def test_event_filters_and_search(su_client, events):
     url = reverse(EVENTS)
     broken = su_client.get(url, {"kind": "broken"}).context["cl"].result_list
     assert [(e.name, e.by) for e in broken] == [("ev:two", "carol")]
-    recent = su_client.get(url, {"age": "hour"}).context["cl"].result_list
+    recent = su_client.get(url, {"age": "hour", "kind": "all"}).context["cl"].result_list
     assert len(recent) == LockEvent.objects.count() >= 5
     LockEvent.objects.update(at_us=db_now_us("default") - 2 * 86400 * 1_000_000)
     assert list(su_client.get(url, {"age": "day"}).context["cl"].result_list) == []
-    assert len(su_client.get(url, {"age": "week"}).context["cl"].result_list) >= 5
+    assert len(su_client.get(url, {"age": "week"}).context["cl"].result_list) >= 4
     named = su_client.get(url, {"name__exact": "ev:one"}).context["cl"].result_list
-    assert {e.name for e in named} == {"ev:one"} and len(named) == 3
+    # Acquired and released; the renewal between them only on request.
+    assert {e.name for e in named} == {"ev:one"} and len(named) == 2
 
 
 def _page_plan(response) -> str:
@@ -624,6 +626,190 @@ def test_a_rare_kind_is_listed_through_its_index(su_client, events, param):
                 cursor.execute("RESET enable_seqscan")
 
 
+def listed_kinds(response) -> list[str]:
+    """The kinds of the list's rows, as their badges name them in the page."""
+    html = response.content.decode()
+    body = html[html.index('id="result_list"'):]
+    return re.findall(r'<td class="field-kind_badge"><span class="distlock-badge distlock-(\w+)"',
+                      body)
+
+
+def filter_link(response, text: str) -> str:
+    """The href of the kind filter's link whose text is ``text``."""
+    html = response.content.decode()
+    sidebar = html[html.index('id="changelist-filter"'):]
+    link = rf'<a (?:class="[^"]*" )?href="([^"]*)"[^>]*>{re.escape(text)}</a>'
+    found = re.findall(link, sidebar)
+    assert len(found) == 1, (text, found)
+    return reverse(EVENTS) + unescape(found[0])
+
+
+def visible_text(response) -> str:
+    """What a reader sees: the page without its tags, scripts and attributes."""
+    html = response.content.decode()
+    html = re.sub(r"<(script|style)\b.*?</\1>", " ", html, flags=re.S)
+    return unescape(re.sub(r"<[^>]+>", " ", html))
+
+
+@pytest.fixture
+def renewals(settings):
+    settings.DISTLOCK_AUDIT = True
+    lease = acquire("ren:1", ttl=30)
+    lease.renew()
+    lease.renew()
+    assert lease.release() is True
+    return lease
+
+
+def test_renewals_are_hidden_by_default_and_shown_on_request(su_client, renewals):
+    """Issue 34: an auto-renewing holder's renewals filled the events list."""
+    default = su_client.get(reverse(EVENTS))
+    assert listed_kinds(default) == ["released", "acquired"]
+    html = default.content.decode()
+    assert re.search(r'<li class="selected">\s*<a href="\?">all but renewals</a>', html)
+    assert 'aria-checked="false" title="show renewed events">☐ renewed<' in html
+    every = su_client.get(filter_link(default, "all, with renewals"))
+    assert listed_kinds(every) == ["released", "renewed", "renewed", "acquired"]
+    assert every.context["cl"].result_count == 4
+    only = su_client.get(filter_link(default, "only renewals"))
+    assert listed_kinds(only) == ["renewed", "renewed"]
+    # Ticking "renewed" in the default view adds them: every kind.
+    ticked = su_client.get(filter_link(default, "☐ renewed"))
+    assert listed_kinds(ticked) == listed_kinds(every)
+    # And back: "all but renewals" from there is the default again.
+    assert listed_kinds(su_client.get(filter_link(every, "all but renewals"))) == [
+        "released", "acquired"]
+
+
+def test_several_kinds_at_once(su_client, events, renewals):
+    url = reverse(EVENTS)
+    for query in ({"kind": ["broken", "released"]}, {"kind": "broken,released"},
+                  {"kind__in": "broken,released"}, {"kind__exact": "broken", "kind": "released"}):
+        response = su_client.get(url, query)
+        assert sorted(listed_kinds(response)) == ["broken", "released", "released"], query
+        html = response.content.decode()
+        ticked = re.findall(r'aria-checked="true"[^>]*>☑ ([^<]+)<', html)
+        assert ticked == ["released", "broken"], query
+    broken = su_client.get(url, {"kind": "broken"})
+    assert listed_kinds(broken) == ["broken"]
+    # Tick "renewed" beside it, then show "released" alone.
+    both = su_client.get(filter_link(broken, "☐ renewed"))
+    assert sorted(listed_kinds(both)) == ["broken", "renewed", "renewed", "renewed"]
+    untick = su_client.get(filter_link(both, "☑ broken"))
+    assert listed_kinds(untick) == ["renewed"] * 3
+    html = both.content.decode()
+    only = re.search(r'href="([^"]*)" title="only released events"', html).group(1)
+    assert listed_kinds(su_client.get(url + unescape(only))) == ["released", "released"]
+
+
+def test_several_rare_kinds_are_listed_through_their_index(su_client, events):
+    """Rare kinds together keep the rare kinds' index (SQLite needs the condition's terms
+    in the query); a rare and a common one cannot use it and must still list both; the
+    default list is read as the whole list is, by time, with no more queries."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from distlock.constants import RARE_EVENTS_INDEX
+
+    url = reverse(EVENTS)
+    LockEvent.objects.bulk_create(
+        LockEvent(at_us=i, kind=LockEvent.Kind.RENEWED, name=f"ev:many:{i}") for i in range(300)
+    )
+    rare = su_client.get(url, {"kind": ["broken", "lost"]})
+    assert listed_kinds(rare) == ["broken"]
+    mixed = su_client.get(url, {"kind": ["broken", "acquired"]})
+    assert sorted(listed_kinds(mixed)) == ["acquired", "acquired", "broken"]
+    with CaptureQueriesContext(connection) as every:
+        assert len(listed_kinds(su_client.get(url, {"kind": "all"}))) == 100
+    with CaptureQueriesContext(connection) as default:
+        assert "renewed" not in listed_kinds(su_client.get(url))
+    assert len(default.captured_queries) == len(every.captured_queries)
+    if connection.vendor == "mysql":
+        return  # a full index, whose use MariaDB's optimizer decides by its statistics
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("SET enable_seqscan = off")
+        try:
+            assert RARE_EVENTS_INDEX in _page_plan(rare)
+            assert RARE_EVENTS_INDEX in _page_plan(
+                su_client.get(url, {"kind__in": "stale_write,took_over", "age": "week"}))
+            assert RARE_EVENTS_INDEX not in _page_plan(mixed)
+            if connection.vendor == "sqlite":
+                # By the time index, newest first, as the whole list is: no sort.
+                def steps(response) -> list[str]:
+                    return re.sub(r"^[\d ]+", "", _page_plan(response), flags=re.M).split("\n")
+
+                plan = steps(su_client.get(url))
+                assert plan == steps(su_client.get(url, {"kind": "all"}))
+                assert "at_us" in plan[0] and not any("TEMP B-TREE" in s for s in plan)
+        finally:
+            if connection.vendor == "postgresql":
+                cursor.execute("RESET enable_seqscan")
+
+
+def test_event_names_link_to_their_lock(su_client, events):
+    """To the lock's page; for a lock whose row is gone (purged), to the Locks list
+    searched for exactly that name."""
+    Lock.objects.filter(name="ev:two").delete()
+    response = su_client.get(reverse(EVENTS))
+    cells = re.findall(r'<td class="field-lock_link">(.*?)</td>', response.content.decode())
+    one = reverse("admin:distlock_lock_change", args=[quote("ev:one")])
+    two = reverse(CHANGELIST) + "?q=%3Dev%3Atwo"
+    assert cells == [f'<a href="{two}" title="no lock row (purged): the Locks list, '
+                     'searched">ev:two</a>'] * 2 + [
+        f'<a href="{one}" title="the lock\'s page">ev:one</a>'] * 2
+    page = su_client.get(one)
+    assert page.status_code == 200 and page.context["original"].name == "ev:one"
+    searched = su_client.get(unescape(two))
+    assert searched.status_code == 200 and result_names(searched) == []
+    acquire("ev:two", ttl=30).release()
+    assert result_names(su_client.get(unescape(two))) == ["ev:two"]
+
+
+def test_stale_writes_say_why_and_by_their_label(su_client, settings):
+    """Issue 34: each refused write's detail says why (the lease expired, the lock was
+    taken over, broken, released), and the page shows the kind by its label, never the
+    code "stale_write": not in the list, its filter, an event's page or its history."""
+    from distlock.testing import make_stale, take_over
+    from tests.testapp.models import Account
+
+    settings.DISTLOCK_AUDIT = True
+    reasons = []
+    for end in ("expired", "taken over", "broken", "released"):
+        account = Account.objects.create()
+        lease = acquire(f"account:{account.pk}", ttl=30)
+        if end == "expired":
+            make_stale(lease)
+            reasons.append("lease expired")
+        elif end == "taken over":
+            reasons.append(f"lock now at token {take_over(lease).token}")
+        elif end == "broken":
+            break_lock(lease.name, by="ops")
+            reasons.append("lease broken")
+        else:
+            lease.release()
+            reasons.append("lock released")
+        with pytest.raises(StaleToken):
+            account.save(fence=lease)
+    response = su_client.get(reverse(EVENTS), {"kind": "stale_write"})
+    html = response.content.decode()
+    details = re.findall(r'<td class="field-detail_cut"><span [^>]*>([^<]*)</span>', html)
+    assert [re.search(r"refused: (.*) \(", d).group(1) for d in details] == reasons[::-1]
+    assert listed_kinds(response) == ["stale_write"] * 4
+    # The four rows and the filter's box.
+    assert visible_text(response).count("stale write refused") == 4 + 1
+    event = LockEvent.objects.filter(kind="stale_write").first()
+    for page in (response, su_client.get(reverse(EVENTS)),
+                 su_client.get(reverse("admin:distlock_lockevent_change", args=[event.pk])),
+                 su_client.get(reverse("admin:distlock_lockevent_history", args=[event.pk]))):
+        assert page.status_code == 200
+        assert "stale_write" not in visible_text(page)
+    page = su_client.get(reverse("admin:distlock_lockevent_change", args=[event.pk]))
+    heading = f"{event.name}: stale write refused (token {event.token})"
+    assert f"<h2>{heading}</h2>" in page.content.decode()
+    assert f"&rsaquo; {heading}\n</div>" in page.content.decode()
+
+
 def test_event_search_of_a_common_prefix_walks_time_back_on_sqlite(su_client, monkeypatch):
     """A prefix many events share is read newest first down ``at_us`` (SQLite read its
     whole name range and sorted it: 17 s at 10M events), a rare one through its range;
@@ -638,10 +824,10 @@ def test_event_search_of_a_common_prefix_walks_time_back_on_sqlite(su_client, mo
          for i in range(1, 61)]
         + [LockEvent(at_us=i, kind=LockEvent.Kind.RENEWED, name="few:1") for i in range(3)]
     )
-    common = su_client.get(reverse(EVENTS), {"q": "many:"})
+    common = su_client.get(reverse(EVENTS), {"q": "many:", "kind": "all"})
     found = [e.at_us for e in common.context["cl"].result_list]
     assert found == list(range(60, 0, -1))
-    rare = su_client.get(reverse(EVENTS), {"q": "few:"})
+    rare = su_client.get(reverse(EVENTS), {"q": "few:", "kind": "all"})
     assert [e.at_us for e in rare.context["cl"].result_list] == [2, 1, 0]
     if connection.vendor != "sqlite":
         return  # PostgreSQL and MariaDB choose by their statistics
@@ -651,12 +837,13 @@ def test_event_search_of_a_common_prefix_walks_time_back_on_sqlite(su_client, mo
 
 @pytest.mark.parametrize(
     ("query", "expected"),
-    [("ev:", {"ev:one": 3, "ev:two": 2}), ("ev:t", {"ev:two": 2}), ("=ev:one", {"ev:one": 3}),
+    [("ev:", {"ev:one": 2, "ev:two": 2}), ("ev:t", {"ev:two": 2}), ("=ev:one", {"ev:one": 2}),
      ("=ev:o", {}), ("EV:", {}), ("v:", {}), ("beta", {}), ("carol", {})],
 )
 def test_event_search_is_a_name_prefix(su_client, events, query, expected):
     """Names only, by prefix or ``=name``, through the (name, at_us) index: holder and who
-    broke a lock have no index (a search of them read every event)."""
+    broke a lock have no index (a search of them read every event). (ev:one's renewal is
+    hidden, as renewals are by default.)"""
     response = su_client.get(reverse(EVENTS), {"q": query})
     found = Counter(e.name for e in response.context["cl"].result_list)
     assert found == expected

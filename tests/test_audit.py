@@ -7,15 +7,21 @@ import threading
 import time
 
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 
 from distlock import LockLost, StaleToken, acquire, break_lock, signals
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
-from distlock.ops.audit import check_audit_settings, event_batches, purge_events, record
-from distlock.testing import make_stale
+from distlock.ops.audit import (
+    check_audit_settings,
+    event_batches,
+    fit,
+    purge_events,
+    record,
+)
+from distlock.testing import make_stale, take_over
 from tests.support.helpers import wait_expired
-from tests.testapp.models import Account
+from tests.testapp.models import Account, HighWaterAccount
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -134,6 +140,84 @@ def test_stale_write_refused_is_recorded(audit):
     assert "testapp.Account" in event.detail and str(lease.token) in event.detail
     assert event.get_kind_display() == "stale write refused"
     assert newer.release() is True
+
+
+def _expired(lease):
+    make_stale(lease)
+    return "lease expired"
+
+
+def _taken_over(lease):
+    newer = take_over(lease)
+    return f"lock now at token {newer.token}"
+
+
+def _broken(lease):
+    assert break_lock(lease.name, by="ops") is True
+    return "lease broken"
+
+
+def _released(lease):
+    assert lease.release() is True
+    return "lock released"
+
+
+@pytest.mark.parametrize("end", [_expired, _taken_over, _broken, _released])
+def test_a_stale_write_record_says_why_it_was_refused(audit, end):
+    """Issue 34: "write with token 4 refused (row token 3)" alone read as if a higher token
+    had been refused; the reason the exception gave is now in the record too."""
+    account = Account.objects.create(balance=1)
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    Account.objects.filter(pk=account.pk).fenced_update(lease, balance=2)
+    reason = end(lease)
+    with pytest.raises(StaleToken):
+        account.save(fence=lease)
+    event = LockEvent.objects.get(name=lease.name, kind="stale_write")
+    assert event.detail == (
+        f"write with token {lease.token} refused: {reason} "
+        f"(testapp.Account; row token {lease.token})"
+    )
+
+
+def test_a_stale_write_past_a_newer_write_names_the_rows_token(audit):
+    """Without the ownership check, the high-water mark refuses: the row's newer token."""
+    account = HighWaterAccount.objects.create()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    newer = take_over(lease)
+    HighWaterAccount.objects.filter(pk=account.pk).fenced_update(newer, balance=5)
+    with pytest.raises(StaleToken):
+        account.save(fence=lease)
+    event = LockEvent.objects.get(name=lease.name, kind="stale_write")
+    assert f"refused: row already written by token {newer.token} " in event.detail
+
+
+def test_a_refusal_caught_inside_the_callers_transaction_is_recorded_with_its_reason(audit):
+    """The refusal's savepoint is rolled back, the record is not: a caller that catches
+    StaleToken and commits keeps it (as before the reason was added)."""
+    account = Account.objects.create()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    make_stale(lease)
+    with transaction.atomic(), pytest.raises(StaleToken):
+        account.save(fence=lease)
+    assert "refused: lease expired" in LockEvent.objects.get(kind="stale_write").detail
+
+
+def test_a_stale_write_detail_fits_its_column_and_keeps_the_reason(audit):
+    """detail is 500 characters: a long model label is cut before the reason, and a
+    reason longer than the column is cut with an ellipsis (MariaDB would refuse more)."""
+    lease = acquire("long", ttl=30)
+    model = type("M" * 600, (), {})
+    signals.stale_write_refused.send(sender=model, lease=lease, instance_token=3,
+                                     reason="lease expired")
+    signals.stale_write_refused.send(sender=Account, lease=lease, instance_token=3,
+                                     reason="r" * 600)
+    short, long = LockEvent.objects.filter(kind="stale_write").order_by("id")
+    assert len(short.detail) == len(long.detail) == 500
+    assert short.detail.startswith(f"write with token {lease.token} refused: lease expired (")
+    assert short.detail.endswith("M…") and long.detail.endswith("r…")
+    assert fit("head", " tail", limit=9) == "head tail"
+    assert fit("head", " tail", limit=8) == "head ta…"
+    lease.release()
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "locks"])

@@ -241,6 +241,155 @@ def test_list_watch_prints_until_ctrl_c_from_a_real_process():
     assert lease.release() is True
 
 
+class Terminal(StringIO):
+    """A stream that says it is a terminal, as a watch's stdout in a terminal is."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+WORKER = "buildhost-17.eu-west.example.com pid=6745 thread=ThreadPoolExecutor-0_3"
+STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (UTC|[A-Z]{2,5} \(UTC[+-]\d\d:\d\d\)) ")
+
+
+def test_list_watch_on_a_terminal_redraws_one_screen_that_fits(monkeypatch, settings):
+    """Issue 34: --watch appended a table per refresh (428 lines of scrollback after 12 s)
+    and wrapped at 100 columns. On a terminal each refresh homes the cursor and clears the
+    screen, and every line fits its width and the screen its height."""
+    settings.TIME_ZONE = "Asia/Kolkata"
+    monkeypatch.setenv("COLUMNS", "60")
+    monkeypatch.setenv("LINES", "10")
+    lease = acquire("a:worker", ttl=600, holder=WORKER)
+    _idle_rows([f"row:{i:03}" for i in range(20)])
+    out = Terminal()
+    call_command("distlock_list", "--watch", "0.2", "--count", "3", stdout=out,
+                 stderr=StringIO())
+    text = out.getvalue()
+    frames = text.split("\x1b[H\x1b[J")
+    assert frames[0] == "" and len(frames) == 4  # three screens, each drawn from the top
+    for frame in frames[1:]:
+        lines = frame.rstrip("\n").split("\n")
+        assert len(lines) <= 10 and max(len(line) for line in lines) <= 60, lines
+        assert re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d IST \(UTC\+05:30\)  \(every 0\.2 s",
+                        lines[0])
+        assert lines[1].split() == ["name", "state", "token", "holder", "expires", "renews"]
+        worker = next(line for line in lines if line.startswith("a:worker "))
+        # The holder's middle is elided: its host's start and its thread's end stay.
+        assert lease.holder.endswith(WORKER) and len(lease.holder) > 60
+        assert "…" in worker and lease.holder[:4] in worker and "-0_3" in worker, worker
+        assert "held" in worker and "min" in worker
+        # 21 rows, 7 shown (10 lines: stamp, heads, the count of the rest).
+        assert lines[-1] == "… and 14 more rows (the terminal shows the first 7: --prefix " \
+                            "narrows)"[:59] + "…"
+    assert lease.release() is True
+
+
+def test_list_watch_to_a_pipe_appends_tables_without_escape_codes(settings):
+    """Not a terminal (a pipe, a log file): each table after a time stamp and a blank
+    line, full width, no escape codes to garble the file."""
+    settings.TIME_ZONE = "UTC"
+    lease = acquire("a:worker", ttl=600, holder=WORKER)
+    out = run("distlock_list", "--watch", "0.2", "--count", "2")
+    assert "\x1b" not in out
+    blocks = out.rstrip("\n").split("\n\n")
+    assert len(blocks) == 2
+    for block in blocks:
+        lines = block.split("\n")
+        assert re.match(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC  \(every 0\.2 s; Ctrl-C stops\)$",
+                        lines[0]), lines[0]
+        assert lines[1].split()[0] == "name" and WORKER in lines[2]
+    assert lease.release() is True
+
+
+def test_list_count_goes_with_watch():
+    with pytest.raises(CommandError, match="--count: it goes with --watch"):
+        run("distlock_list", "--count", "2")
+
+
+@pytest.mark.parametrize(
+    ("zone", "stamp"),
+    [
+        ("UTC", "2026-12-03 12:07:49 UTC"),
+        ("Asia/Kolkata", "2026-12-03 17:37:49 IST (UTC+05:30)"),
+        ("America/New_York", "2026-12-03 07:07:49 EST (UTC-05:00)"),
+        ("Asia/Dubai", "2026-12-03 16:07:49 UTC+04:00"),  # tzdata's "+04": offset only
+    ],
+)
+def test_times_carry_the_site_zone(settings, zone, stamp):
+    from datetime import UTC, datetime
+
+    from distlock.management.commands._common import local_time
+
+    settings.TIME_ZONE = zone
+    assert local_time(us(datetime(2026, 12, 3, 12, 7, 49, 920824, tzinfo=UTC))) == stamp
+
+
+def test_elide_keeps_both_ends_and_widths_fit():
+    from distlock.management.commands.distlock_list import elide, fit_line, fit_widths
+
+    assert elide(WORKER, len(WORKER)) == WORKER
+    cut = elide(WORKER, 30)
+    assert len(cut) == 30 and cut.startswith("buildhost") and cut.endswith("Executor-0_3")
+    assert elide("abc", 1) == "…" and elide("abc", 0) == ""
+    # The holder shrinks first, to 12 at least, then the name; the rest is cut.
+    assert fit_widths([10, 7, 3, 70, 8, 6], 60) == [10, 7, 3, 16, 8, 6]
+    assert fit_widths([40, 7, 3, 70, 8, 6], 60) == [14, 7, 3, 12, 8, 6]
+    assert fit_widths([10, 7, 3, 20, 8, 6], 80) == [10, 7, 3, 20, 8, 6]
+    assert fit_line("x" * 61, 60) == "x" * 59 + "…" and fit_line("x" * 60, 60) == "x" * 60
+
+
+def test_list_watch_redraws_one_screen_in_a_real_terminal():
+    """A real process on a pseudo-terminal of 60 × 12: screens drawn from the top, each
+    within the window, until SIGINT (Ctrl-C), then exit status 0."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    lease = acquire("a:worker", ttl=600, holder=WORKER)
+    _idle_rows([f"row:{i:03}" for i in range(30)])
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 12, 60, 0, 0))
+    env = child_env()
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
+    got = b""
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-m", "django", "distlock_list", "--watch", "0.2"],
+            env=env, cwd=settings.BASE_DIR, stdin=child, stdout=child,
+            stderr=subprocess.PIPE,
+        ) as proc:
+            os.close(child)
+            child = -1
+            try:
+                deadline = time.monotonic() + 60
+                while got.count(b"\x1b[H\x1b[J") < 3:  # two whole screens
+                    left = deadline - time.monotonic()
+                    assert left > 0 and proc.poll() is None, (got, proc.poll())
+                    if select.select([main], [], [], left)[0]:
+                        got += os.read(main, 65536)
+                proc.send_signal(signal.SIGINT)
+                assert proc.wait(timeout=60) == 0
+                assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+    finally:
+        os.close(main)
+        if child >= 0:
+            os.close(child)
+    screens = got.decode().replace("\r\n", "\n").split("\x1b[H\x1b[J")[1:3]
+    for screen in screens:
+        lines = screen.split("\n")
+        assert len(lines) <= 12 and max(len(line) for line in lines) <= 60, lines
+        assert STAMP.match(lines[0]), lines[0]
+        assert any(line.startswith("a:worker ") and "…" in line for line in lines)
+        assert lines[-1].startswith("… and 22 more rows (the terminal shows the first 9")
+    assert lease.release() is True
+
+
 # --- distlock_break -----------------------------------------------------------------
 
 
@@ -384,6 +533,43 @@ def test_purge_bad_retention_setting_is_a_command_error(settings):
     with pytest.raises(CommandError, match="must be positive"):
         run("distlock_purge", "--idle", "0")
     assert Lock.objects.count() == 2
+
+
+def test_purge_dry_run_counts_what_it_would_delete_and_deletes_nothing(settings):
+    """--dry-run: the counts of lock rows and audit events the purge would delete, by
+    the same conditions and the same clock, and not one row changed (then the real purge
+    deletes exactly those)."""
+    settings.DISTLOCK_AUDIT = True
+    for i in range(3):
+        acquire(f"idle:{i}", ttl=30).release()
+    held = acquire("held", ttl=600)
+    gone = expired_lock("gone")
+    old = db_now_us("default") - 3 * 86400 * 10**6
+    LockEvent.objects.filter(kind="acquired").update(at_us=old)  # 5 grants, 3 days ago
+    before = _everything()
+    out = run("distlock_purge", "--idle", "0", "--events-older-than", "2d", "--dry-run")
+    assert out.splitlines() == [
+        "Would delete 4 lock row(s) idle for at least 0 s (dry run: nothing deleted).",
+        "Would delete 5 audit event(s) older than 2 days.",
+    ]
+    assert _everything() == before
+    # With the other options: an idle time no row reaches, the retention, no events.
+    out = run("distlock_purge", "--idle", "1h", "--dry-run")
+    assert "Would delete 0 lock row(s) idle for at least 1 h" in out
+    assert "Would delete 0 audit event(s) older than 30 days." in out
+    settings.DISTLOCK_AUDIT_RETENTION = 86400
+    assert "Would delete 5 audit event(s) older than 1 day." in run(
+        "distlock_purge", "--dry-run")
+    settings.DISTLOCK_AUDIT_RETENTION = None
+    assert "Would keep all audit events" in run("distlock_purge", "--dry-run")
+    assert "audit" not in run("distlock_purge", "--dry-run", "--skip-events", "--idle", "0")
+    with pytest.raises(CommandError, match="contradict"):
+        run("distlock_purge", "--dry-run", "--skip-events", "--events-older-than", "1d")
+    assert _everything() == before
+    out = run("distlock_purge", "--idle", "0", "--events-older-than", "2d")
+    assert "Deleted 4 lock row(s)" in out and "Deleted 5 audit event(s)" in out
+    assert list(Lock.objects.values_list("name", flat=True)) == ["held"]
+    assert gone.release() is False and held.release() is True
 
 
 # --- distlock_failover --------------------------------------------------------------
@@ -752,6 +938,94 @@ def test_doctor_fails_when_the_audit_table_is_missing(settings):
     assert "no problems" in run("distlock_doctor")
 
 
+def test_doctor_state_reports_expired_locks_recent_events_and_audit_size(
+    settings, monkeypatch
+):
+    """Issue 34: the doctor checked configuration only. --state says what the database
+    holds: expired locks (named, oldest first), stale writes refused, leases lost and
+    locks broken in the last 24 h, and the audit table's size; warnings, not failures."""
+    from distlock.management.commands import distlock_doctor
+
+    settings.DISTLOCK_AUDIT = True
+    settings.TIME_ZONE = "Asia/Kolkata"
+    quiet = run("distlock_doctor", "--state")
+    for line in ("[ok] no expired locks", "[ok] no stale writes refused in the last 24 h",
+                 "[ok] no leases lost in the last 24 h", "[ok] 0 lock(s) broken in the last "
+                 "24 h", "[ok] audit table: no events"):
+        assert line in quiet
+    assert "[FAIL]" not in quiet and "[warn] audit" not in quiet
+
+    gone = [expired_lock(f"st:gone{i}", holder=f"dead-{i}") for i in range(3)]
+    held = acquire("st:held", ttl=600)
+    account = AccountFactory(pk=8)
+    stale = expired_lock("account:8")
+    newer = acquire("account:8", ttl=600)
+    account.balance = 1
+    with pytest.raises(StaleToken):
+        account.save(fence=stale)
+    acquire("st:broken", ttl=600)
+    run("distlock_break", "st:broken")
+    monkeypatch.setattr(distlock_doctor, "EXPIRED_NAMED", 2)
+    plain = run("distlock_doctor")
+    out = run("distlock_doctor", "--state")
+    # Without --state nothing of the data: the doctor as it was, the same lines.
+    assert "expired lock" not in plain and "audit table" not in plain
+    assert [line[:12] for line in out.splitlines()[: len(plain.splitlines()) - 1]] == [
+        line[:12] for line in plain.splitlines()[:-1]]
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "expired lock(s)" in line)
+    assert lines[at].startswith("[warn] 3 expired lock(s), not taken over")
+    # The two that ran out first, with their times in the site's zone and their holders.
+    assert re.match(r"    'st:gone0' expired (now|\d+ s ago) \(\d{4}-\d\d-\d\d [\d:]+ IST "
+                    r"\(UTC\+05:30\)\), holder .*dead-0$", lines[at + 1]), lines[at + 1]
+    assert lines[at + 2].startswith("    'st:gone1' expired ")
+    assert not lines[at + 3].startswith("    ")
+    lost = LockEvent.objects.filter(kind="lost").count()
+    assert lost >= 1
+    assert re.search(r"\[warn\] 1 stale write\(s\) refused in the last 24 h, the latest on "
+                     r"'account:8' at \d{4}-\d\d-\d\d [\d:]+ IST \(UTC\+05:30\)", out)
+    assert f"[warn] {lost} lease(s) lost in the last 24 h, the latest on " in out
+    assert "[ok] 1 lock(s) broken in the last 24 h, the latest on 'st:broken'" in out
+    events = LockEvent.objects.count()
+    assert f"[ok] audit table: {events} event(s), the oldest " in out
+    assert out.rstrip().endswith("distlock_doctor: no problems, "
+                                 f"{plain.count('[warn]') + 3} warning(s)")
+
+    # Older than 24 h: not recent. Older than the retention by more than a day: said.
+    LockEvent.objects.update(at_us=db_now_us("default") - 3 * 86400 * 10**6)
+    settings.DISTLOCK_AUDIT_RETENTION = 3600
+    monkeypatch.setattr(distlock_doctor, "AUDIT_CAP", 3)
+    out = run("distlock_doctor", "--state")
+    assert "[ok] no stale writes refused in the last 24 h" in out
+    assert "[ok] no leases lost in the last 24 h" in out
+    assert re.search(r"\[warn\] audit table: 3 or more event\(s\), the oldest 3 days old "
+                     r"\(.* IST \(UTC\+05:30\)\), older than DISTLOCK_AUDIT_RETENTION \(1 h\) "
+                     "by more than a day: run manage.py distlock_purge from cron", out)
+    settings.DISTLOCK_AUDIT = False
+    out = run("distlock_doctor", "--state")
+    assert "[ok] audit is off (DISTLOCK_AUDIT)" in out and "stale write" in out
+    assert "lock(s) broken" not in out
+    for lease in (*gone, stale):
+        assert lease.release() is False
+    assert held.release() is True and newer.release() is True
+
+
+def test_doctor_state_with_a_failing_check_still_exits_1(settings):
+    """--state changes no exit status: a FAIL of the checks is still status 1."""
+    settings.DISTLOCK_AUDIT = True
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE distlock_lockevent RENAME TO distlock_lockevent_away")
+    try:
+        out = StringIO()
+        with pytest.raises(CommandError, match="1 problem"):
+            call_command("distlock_doctor", "--state", stdout=out)
+        assert "[ok] no expired locks" in out.getvalue()
+        assert "audit table:" not in out.getvalue()
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE distlock_lockevent_away RENAME TO distlock_lockevent")
+
+
 # --- every numeric option of every command, with hostile values ---------------------
 
 # Every option of a distlock command that takes a number (or a duration), with what the
@@ -759,6 +1033,7 @@ def test_doctor_fails_when_the_audit_table_is_missing(settings):
 NUMERIC_OPTIONS = [
     ("distlock_list", [], "--limit"),
     ("distlock_list", [], "--watch"),
+    ("distlock_list", [], "--count"),
     ("distlock_break", ["busy"], "--token"),
     ("distlock_purge", [], "--idle"),
     ("distlock_purge", [], "--events-older-than"),
@@ -776,6 +1051,7 @@ HOSTILE = [
 # --idle 0 purges every idle row, --max-skew 0 warns of any skew), and just too large.
 REFUSED_TOO = {
     "--watch": ["0", "0.1", "86401", "1e10"],
+    "--count": ["0", str(10**9 + 1)],
     "--token": ["0", str(MAX_TOKEN + 1)],
     "--margin": ["0", str(MAX_TOKEN + 1)],
     "--limit": [str(10**18 + 1), str(MAX_TOKEN)],
@@ -883,6 +1159,7 @@ def test_the_numeric_options_above_are_every_numeric_option():
 
     not_numbers = {
         "--held", "--json", "--prefix", "--owner", "--database", "--skip-events", "name",
+        "--state", "--dry-run",
         "--help", "--version", "--verbosity", "--settings", "--pythonpath", "--traceback",
         "--no-color", "--force-color", "--skip-checks",
     }

@@ -201,3 +201,44 @@ def test_the_rooms_form_no_cycle():
                    if (name, t) not in OUTWARDS} - {_room(name)}
         rooms.setdefault(_room(name), set()).update(targets)
     assert _cycles(rooms) == []
+
+
+# A site's settings with distlock and nothing else that patches Django: django_tasks_db
+# (in the test settings and the demo's) imports django_stubs_ext, whose monkeypatch makes
+# Django's generic classes subscriptable, so ``Lookup[bool]`` at run time passed every
+# test and failed for users (0.2: the benchmark's quick mode caught it).
+BARE_SITE = """
+import django
+from django.conf import settings
+settings.configure(
+    INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth",
+                    "django.contrib.admin", "django.contrib.sessions",
+                    "django.contrib.messages", "distlock"],
+    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+)
+django.setup()
+import sys
+from django.db.models import Lookup
+assert not hasattr(Lookup, "__class_getitem__"), "Django is patched: the check means nothing"
+import importlib
+failed = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed[name] = f"{type(exc).__name__}: {exc}"
+assert not failed, failed
+"""
+
+
+@pytest.mark.skipif(
+    connection.vendor != "sqlite", reason="the same on every database: run once, on SQLite"
+)
+def test_every_module_imports_on_a_site_whose_django_nobody_patched():
+    names = list(_modules())
+    env = {key: value for key, value in os.environ.items() if key != "DJANGO_SETTINGS_MODULE"}
+    result = subprocess.run(
+        [sys.executable, "-c", BARE_SITE, *names],
+        cwd=PACKAGE.parent, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr.strip().splitlines()[-3:]

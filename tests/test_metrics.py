@@ -273,3 +273,109 @@ def test_a_bad_pattern_setting_fails_the_system_check(setting, check_id, said):
         (error,) = checks.check_metrics_settings()
     assert error.id == check_id and said in error.msg
     assert "DISTLOCK_METRICS_NAME_PATTERN" in error.msg and "name_pattern" in error.hint
+
+
+# --- database-wide gauges (gauges.py) ----------------------------------------------
+
+
+def gauge_samples(registry: Any) -> dict[str, float]:
+    """A scrape of ``registry`` as Prometheus parses it: sample name -> value."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(registry).decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+@pytest.fixture
+def gauge_registry():
+    from prometheus_client import CollectorRegistry
+
+    from distlock.contrib.prometheus import gauges
+
+    registry = CollectorRegistry()
+    collector = gauges.DatabaseGauges()
+    registry.register(collector)
+    return registry
+
+
+def test_database_gauges_count_held_and_expired_locks_at_scrape_time(lock_db, gauge_registry):
+    """Issue 34: a dashboard could not show "locks held now". Held and expired (holder
+    probably gone) are counted in the database at each scrape; free rows are neither."""
+    from django.db import connection
+
+    from distlock.models import Lock
+
+    Lock.objects.bulk_create(Lock(name=f"idle:{i}", token=1) for i in range(20))
+    held = [acquire(f"g:held{i}", ttl=600) for i in range(2)]
+    gone = expired_lock("g:gone")
+    acquire("g:free", ttl=600).release()
+    found = gauge_samples(gauge_registry)
+    assert found["distlock_locks_held"] == 2
+    assert found["distlock_locks_expired"] == 1
+    assert found["distlock_gauge_failures_total"] == 0
+    if connection.vendor == "postgresql":
+        assert found["distlock_sessions_waiting"] == 0  # known: nobody waits
+    else:
+        # Waiters poll and register nowhere: absent, not a 0 that says nobody waits.
+        assert "distlock_sessions_waiting" not in found
+    # Read at the scrape, not remembered: a release and a take-over show at the next one.
+    held[0].release()
+    taken = acquire("g:gone", ttl=600)
+    found = gauge_samples(gauge_registry)
+    assert (found["distlock_locks_held"], found["distlock_locks_expired"]) == (2, 0)
+    assert gone.release() is False and taken.release() is True and held[1].release() is True
+    found = gauge_samples(gauge_registry)
+    assert (found["distlock_locks_held"], found["distlock_locks_expired"]) == (0, 0)
+
+
+def test_a_failed_gauge_query_leaves_the_gauges_out_and_the_scrape_answers(
+    lock_db, gauge_registry, caplog
+):
+    """The database down (here: its lock table gone) fails no scrape: the gauges are
+    absent from it, the failure counted and logged, and the next good scrape has them."""
+    from django.db import connection
+
+    acquire("g:held", ttl=600)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE distlock_lock RENAME TO distlock_lock_away")
+    try:
+        with caplog.at_level("WARNING", logger="distlock.metrics"):
+            found = gauge_samples(gauge_registry)
+            again = gauge_samples(gauge_registry)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE distlock_lock_away RENAME TO distlock_lock")
+    for scrape_ in (found, again):
+        assert "distlock_locks_held" not in scrape_ and "distlock_locks_expired" not in scrape_
+        assert "distlock_sessions_waiting" not in scrape_
+    assert (found["distlock_gauge_failures_total"], again["distlock_gauge_failures_total"]) \
+        == (1, 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "distlock gauges: could not read database 'default'"] * 2
+    found = gauge_samples(gauge_registry)
+    assert found["distlock_locks_held"] == 1 and found["distlock_gauge_failures_total"] == 2
+
+
+def test_registering_the_gauges_reads_no_database(lock_db):
+    """ready() registers the collector before any request: describe(), not a query."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from prometheus_client import CollectorRegistry
+
+    from distlock.contrib.prometheus import gauges
+
+    registry = CollectorRegistry()
+    with CaptureQueriesContext(connection) as queries:
+        gauges.register(registry)
+        gauges.register(registry)  # idempotent
+    try:
+        assert len(queries) == 0
+        assert "distlock_locks_held" in gauge_samples(registry)
+    finally:
+        gauges.unregister(registry)
+        gauges.unregister(registry)
+    assert "distlock_locks_held" not in gauge_samples(registry)

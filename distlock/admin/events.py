@@ -1,28 +1,37 @@
-"""Admin pages of the audit history (LockEvent): read-only, filtered by kind and age.
+"""Admin pages of the audit history (LockEvent): read-only, filtered by kinds and age.
 
 Registered by importing this module from :mod:`distlock.admin.locks`. The list fits a 1366 px
 screen: the event's time to the second (milliseconds on hover and on the event's page),
 holder and detail cut with all of their text on hover, and who broke a lock shown in the
-detail column rather than a column of its own that is empty on every other row.
+detail column rather than a column of its own that is empty on every other row. Renewals
+are left out unless asked for (:class:`KindFilter`), each name links to its lock, and
+kinds are shown by their labels ("stale write refused"), never their codes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
+from django.contrib.admin.utils import quote, unquote
+from django.contrib.admin.views.main import SEARCH_VAR, ChangeList
 from django.db.models import BooleanField, QuerySet
 from django.db.models.expressions import RawSQL
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils.html import format_html
+from django.utils.http import urlencode
+from django.utils.translation import gettext
 
 from distlock.admin.display import badge, cut, precise, when
 from distlock.admin.paging import CappedPaginator
-from distlock.admin.search import EVENTS_HELP_TEXT, NameSearch
+from distlock.admin.search import EVENTS_HELP_TEXT, EXACT, NameSearch
 from distlock.backends.indexes import RARE_KINDS_SQL
 from distlock.conf import conf
 from distlock.constants import RARE_KINDS
 from distlock.db import db_now_us
-from distlock.models import LockEvent
+from distlock.models import Lock, LockEvent
 
 if TYPE_CHECKING:
     _LockEventAdminBase = admin.ModelAdmin[LockEvent]
@@ -30,45 +39,131 @@ else:
     _LockEventAdminBase = admin.ModelAdmin
 
 
-class KindFilter(admin.SimpleListFilter):
-    """The event's kind; a rare one (a take-over, a break, a lost lease, a stale write)
-    through the rare kinds' index (migration 0001).
+#: ``?kind=all``: every kind, renewals too.
+ALL_KINDS = "all"
+_RENEWED = "renewed"
 
-    The rare kinds' condition is added word for word, as literal SQL: SQLite uses a
-    partial index only when the query has its condition's terms, and not with bound
-    parameters in their place. On every database the condition is true of the rows the
-    kind selects, so it changes no answer."""
+
+class KindFilter(admin.SimpleListFilter):
+    """The event's kinds, several at once (``?kind=lost&kind=broken``, ``?kind=lost,broken``
+    or ``?kind__in=lost,broken``); with no kind given, every kind but renewals (an
+    auto-renewing holder writes one every few seconds and fills the list), and
+    ``?kind=all`` for every kind.
+
+    Kinds that are all rare (a take-over, a break, a lost lease, a stale write) are read
+    through the rare kinds' index (migration 0001): their condition is added word for
+    word, as literal SQL, since SQLite uses a partial index only when the query has its
+    condition's terms, and not with bound parameters in their place. On every database
+    the condition is true of the rows those kinds select, so it changes no answer."""
 
     title = "kind"
     parameter_name = "kind"
-    # Django's own kind filter's parameter, which links made before this filter carry.
+    template = "admin/distlock/lockevent/kind_filter.html"
+    # Django's own kind filter's parameter, which links made before this filter carry,
+    # and the admin's usual spelling of a list of values.
     _EXACT = "kind__exact"
+    _IN = "kind__in"
 
     def __init__(
         self, request: HttpRequest, params: dict[str, Any], model: Any,
         model_admin: admin.ModelAdmin[Any],
     ) -> None:
-        if self._EXACT in params:
-            exact = params.pop(self._EXACT)
-            params.setdefault(self.parameter_name, exact)
+        given: list[str] = []
+        for key in (self.parameter_name, self._EXACT, self._IN):
+            for value in params.pop(key, []):
+                given.extend(kind for kind in str(value).split(",") if kind)
+        #: The kinds asked for, in the order of the kinds' list (unknown ones after):
+        #: None for the default, every kind but renewals.
+        self.kinds: list[str] | None = None
+        if given:
+            params[self.parameter_name] = [",".join(given)]
+            known = [str(value) for value in LockEvent.Kind.values]
+            wanted = set(given)
+            if ALL_KINDS not in wanted:
+                self.kinds = [kind for kind in known if kind in wanted] + sorted(
+                    wanted - set(known))
         super().__init__(request, params, model, model_admin)
 
     def expected_parameters(self) -> list[str | None]:
-        return [self.parameter_name, self._EXACT]
+        return [self.parameter_name, self._EXACT, self._IN]
 
     def lookups(
         self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
     ) -> list[tuple[str, str]]:
         return [(str(value), str(label)) for value, label in LockEvent.Kind.choices]
 
+    def shown(self) -> set[str]:
+        """The kinds the list shows."""
+        if self.kinds is not None:
+            return set(self.kinds)
+        every = {str(value) for value in LockEvent.Kind.values}
+        return every if self.value() is not None else every - {_RENEWED}
+
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        kind = self.value()
-        if kind is None:
+        if self.value() is None:
+            return queryset.exclude(kind=_RENEWED)
+        kinds = self.kinds
+        if kinds is None or set(kinds) >= set(LockEvent.Kind.values):
             return queryset
-        queryset = queryset.filter(kind=kind)
-        if kind in RARE_KINDS:
+        queryset = (
+            queryset.filter(kind=kinds[0]) if len(kinds) == 1 else queryset.filter(kind__in=kinds)
+        )
+        if set(kinds) <= set(RARE_KINDS):
             queryset = queryset.filter(RawSQL(RARE_KINDS_SQL, [], output_field=BooleanField()))
         return queryset
+
+    # Any: the stubs' choice type has no room for this template's "only" and "view".
+    def choices(self, changelist: Any) -> Iterator[Any]:
+        """The three common views, then each kind with a link that adds it to or takes it
+        from the kinds shown and one that shows it alone (the filter's template)."""
+        shown = self.shown()
+        every = [str(value) for value in LockEvent.Kind.values]
+        default = set(every) - {_RENEWED}
+        remove = [self.parameter_name]  # a prefix: kind__exact and kind__in too
+
+        def query(kinds: set[str] | None) -> str:
+            if kinds is None or kinds == default:
+                return str(changelist.get_query_string(remove=remove))
+            value = ALL_KINDS if kinds == set(every) else [k for k in every if k in kinds]
+            return str(changelist.get_query_string({self.parameter_name: value}, remove))
+
+        yield {"selected": self.value() is None, "query_string": query(None),
+               "display": "all but renewals", "view": True}
+        yield {"selected": shown == set(every), "query_string": query(set(every)),
+               "display": "all, with renewals", "view": True}
+        yield {"selected": shown == {_RENEWED}, "query_string": query({_RENEWED}),
+               "display": "only renewals", "view": True}
+        for value, label in self.lookup_choices:
+            toggled = shown ^ {value}
+            yield {
+                "selected": value in shown,
+                "query_string": query(toggled) if toggled else query({value}),
+                "only": query({value}),
+                "display": label,
+                "view": False,
+            }
+
+
+def heading(event: LockEvent) -> str:
+    """ "invoice:42: stale write refused (token 4)": the event for people, with its kind's
+    label where ``str()`` has the code."""
+    return f"{event.name}: {event.get_kind_display()} (token {event.token})"
+
+
+class _EventChangeList(ChangeList):
+    """Django's list, and then, for the rows of the page only, whether each event's lock
+    still has its row (one query), so the name links to the lock's page or, for a purged
+    lock, to the Locks list searched for it."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        names = {event.name for event in self.result_list}
+        existing = set(
+            Lock.objects.using(self.queryset.db).filter(name__in=names)
+            .values_list("name", flat=True)
+        ) if names else set()
+        for event in self.result_list:
+            event.lock_exists = event.name in existing
 
 
 class AgeFilter(admin.SimpleListFilter):
@@ -94,7 +189,9 @@ class AgeFilter(admin.SimpleListFilter):
 
 @admin.register(LockEvent)
 class LockEventAdmin(NameSearch, _LockEventAdminBase):
-    list_display = ["at", "kind_badge", "name", "token", "holder_cut", "detail_cut"]
+    list_display = ["at", "kind_badge", "lock_link", "token", "holder_cut", "detail_cut"]
+    # The time opens the event's page; the name, the lock's (lock_link).
+    list_display_links = ["at"]
     list_filter = [KindFilter, AgeFilter]
     # Names only, by prefix through the (name, at_us) index (NameSearch): Django's
     # icontains over name, holder, owner and who read all ten million events.
@@ -111,8 +208,35 @@ class LockEventAdmin(NameSearch, _LockEventAdminBase):
     class Media:
         css = {"all": ("distlock/admin.css",)}  # the Locks list's stylesheet
 
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _EventChangeList
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[LockEvent]:
         return super().get_queryset(request).using(conf.database())
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """The event's page, headed by its kind's label ("stale write refused"), not the
+        code that str() of an event carries ("stale_write")."""
+        obj = self.get_object(request, unquote(object_id))
+        if obj is not None:
+            extra_context = {"subtitle": heading(obj), **(extra_context or {})}
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """Django's log of the event (empty: events are never changed), headed as the
+        event's page is."""
+        obj = self.get_object(request, unquote(object_id))
+        if obj is not None:
+            extra_context = {
+                "title": gettext("Change history: %s") % heading(obj),
+                "heading": heading(obj), **(extra_context or {}),
+            }
+        return super().history_view(request, object_id, extra_context)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -138,6 +262,20 @@ class LockEventAdmin(NameSearch, _LockEventAdminBase):
     @admin.display(description="event", ordering="kind")
     def kind_badge(self, obj: LockEvent) -> str:
         return badge(obj.kind, obj.get_kind_display())
+
+    @admin.display(description="name", ordering="name")
+    def lock_link(self, obj: LockEvent) -> str:
+        """The lock's page, or the Locks list searched for the name when its row is gone
+        (purged); ``lock_exists`` is set for the page's rows by :class:`_EventChangeList`."""
+        site = self.admin_site.name
+        if getattr(obj, "lock_exists", True):
+            url = reverse(f"{site}:distlock_lock_change", args=[quote(obj.name)])
+            return format_html('<a href="{}" title="the lock\'s page">{}</a>', url, obj.name)
+        url = reverse(f"{site}:distlock_lock_changelist")
+        return format_html(
+            '<a href="{}?{}" title="no lock row (purged): the Locks list, searched">{}</a>',
+            url, urlencode({SEARCH_VAR: EXACT + obj.name}), obj.name,
+        )
 
     @admin.display(description="holder", ordering="holder")
     def holder_cut(self, obj: LockEvent) -> str:

@@ -18,7 +18,7 @@ Every piece of SQL that differs between databases comes from the connection's ba
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar
 
 from django.apps import apps
 from django.db import connections, models, transaction
@@ -28,6 +28,7 @@ from django.db.models.lookups import Lookup
 
 from distlock import db, signals
 from distlock.backends import backend_for
+from distlock.conf import conf
 from distlock.core import uncommitted
 from distlock.exceptions import StaleToken
 
@@ -75,7 +76,7 @@ else:
     _BooleanLookup = Lookup
 
 
-class SameName(_BooleanLookup):
+class SameName(Lookup[bool]):
     """``<lock name of the row> = %s``, compared byte for byte under any collation of the
     columns it reads (``Backend.name_equals_sql``), never NULL.
 
@@ -179,20 +180,41 @@ def lease_is_current(lease: Lease, using: str) -> bool:
         return bool(backend_for(connection).holds(cursor, lease.name, lease.owner, lease.token))
 
 
-def current_grant(lease: Lease) -> str:
-    """A few words on who holds the lock now, for the StaleToken message."""
+class Why(NamedTuple):
+    """Why a write was refused: ``message`` for StaleToken, ``reason`` for operators (the
+    ``stale_write_refused`` signal's ``reason``, which the audit records in the event)."""
+
+    message: str
+    reason: str
+
+
+def current_grant(lease: Lease) -> Why:
+    """Who holds the lock now, in a few words, for the StaleToken message and the audit."""
     row = (
         apps.get_model("distlock", "Lock").objects.using(lease.using).filter(name=lease.name)
         .values_list("token", "owner").first()
     )
     if row is None:
-        return "the lock row no longer exists"
+        return Why("the lock row no longer exists", "lock row purged")
     token, owner = row
     if token != lease.token:
-        return f"the lock was granted again since (current token {token})"
+        return Why(f"the lock was granted again since (current token {token})",
+                   f"lock now at token {token}")
     if owner != lease.owner:
-        return "the lease was released or broken"
-    return "the lease expired by the database clock"
+        return Why("the lease was released or broken", _freed(lease))
+    return Why("the lease expired by the database clock", "lease expired")
+
+
+def _freed(lease: Lease) -> str:
+    """ "lock released" or "lease broken": the lock row looks the same after either; the
+    lease knows its own release, and the audit (when on) records a break."""
+    if lease._released:
+        return "lock released"
+    if conf.AUDIT and apps.get_model("distlock", "LockEvent").objects.using(lease.using).filter(
+        name=lease.name, token=lease.token, kind="broken",
+    ).exists():
+        return "lease broken"
+    return "lease broken or released elsewhere"
 
 
 def fenced(
@@ -243,16 +265,18 @@ def _report(
             "guarded by another lock (moving a row to another lock's name is refused)"
         ) from None
     if refused.by_owner_check:
-        why = current_grant(lease)
+        why, reason = current_grant(lease)
     elif token is None:
-        why = "the row no longer exists"
+        why = reason = "the row no longer exists"
     else:
-        why = "a newer lease has written the row"
+        why, reason = "a newer lease has written the row", f"row already written by token {token}"
     message = (
         f"stale write to {what} refused: lease for lock {lease.name!r} has token "
         f"{lease.token}, the row's token is {'none' if token is None else token}; {why}"
     )
     if refused.by_owner_check or token is not None:
         lease._lose(f"a fenced write was refused: {why}")
-    signals.stale_write_refused.send(sender=model, lease=lease, instance_token=token)
+    signals.stale_write_refused.send(
+        sender=model, lease=lease, instance_token=token, reason=reason
+    )
     raise StaleToken(message) from None

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("distlock.ops.audit")
 
+#: LockEvent.detail's max_length.
+DETAIL_LENGTH = 500
+
 # dispatch_uid keeps a second ready() (tests that reload apps) from connecting twice.
 _UID = "distlock.ops.audit."
 
@@ -57,7 +60,7 @@ def record(
         with transaction.atomic(using=using):
             LockEvent.objects.using(using).create(
                 at_us=database_now(using), kind=kind, name=name, token=token,
-                owner=owner, holder=holder[:255], by=by[:255], detail=detail[:500],
+                owner=owner, holder=holder[:255], by=by[:255], detail=detail[:DETAIL_LENGTH],
             )
     except DatabaseError:
         logger.exception("distlock audit: could not record %s of lock %r", kind, name)
@@ -116,15 +119,31 @@ def _lost(sender: type[Lease], lease: Lease, reason: str = "", **kwargs: Any) ->
 
 
 def _stale_write(
-    sender: object, lease: Lease, instance_token: int | None = None, **kwargs: Any
+    sender: object, lease: Lease, instance_token: int | None = None, reason: str = "",
+    **kwargs: Any,
 ) -> None:
     model = getattr(getattr(sender, "_meta", None), "label", None) or repr(sender)
     row = "unknown" if instance_token is None else str(instance_token)
+    # The reason first: "token 4 refused (row token 3)" alone read as if a higher token
+    # had been refused; why (the lock now at token 5, the lease expired, broken,
+    # released) is what an operator needs.
+    head = f"write with token {lease.token} refused: {reason or 'stale lease'}"
+    tail = f" ({model}; row token {row})"
     record(
         "stale_write", name=lease.name, using=lease.using, token=lease.token,
-        owner=lease.owner, holder=lease.holder,
-        detail=f"{model}: write with token {lease.token} refused (row token {row})",
+        owner=lease.owner, holder=lease.holder, detail=fit(head, tail),
     )
+
+
+def fit(head: str, tail: str, limit: int = DETAIL_LENGTH) -> str:
+    """``head + tail`` within ``limit`` characters: ``head`` (the part that matters) is
+    cut with an ellipsis only once ``tail`` has been cut away."""
+    text = head + tail
+    if len(text) <= limit:
+        return text
+    if len(head) < limit:
+        return head + tail[: limit - len(head) - 1] + "…"
+    return head[: limit - 1] + "…"
 
 
 def _receivers() -> list[tuple[Signal, Callable[..., None], str]]:

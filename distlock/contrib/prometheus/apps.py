@@ -12,8 +12,9 @@ class PrometheusConfig(AppConfig):
     verbose_name = "Distributed lock metrics"
 
     def ready(self) -> None:
-        from distlock.contrib.prometheus import metrics
+        from distlock.contrib.prometheus import gauges, metrics
         from distlock.contrib.prometheus.checks import check_metrics_settings
 
         checks.register(check_metrics_settings)
         metrics.connect()
+        gauges.register()

@@ -12,9 +12,11 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils import timezone
 
 from distlock.conf import conf
 from distlock.constants import MAX_SECONDS
+from distlock.times import from_us
 
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
@@ -91,6 +93,31 @@ def parse_seconds(text: object, what: str) -> float:
             f"{what}: {quoted(text)} is not a number of seconds between 0 and {MAX_SECONDS:,}"
         )
     return seconds
+
+
+def local_time(at_us: int) -> str:
+    """A database time for people, in the site's time zone (``TIME_ZONE``) with the zone
+    written beside it: "2026-12-03 17:37:49 IST (UTC+05:30)", "2026-12-03 12:07:49 UTC".
+
+    The zone is always said: a bare time on an IST site was read as the app server's, or
+    as UTC. Zones without an abbreviation (tzdata writes "+04") get the offset only.
+    """
+    moment = timezone.localtime(from_us(at_us))
+    zone = moment.strftime("%Z")
+    sign_hours_minutes = moment.strftime("%z")  # "+0530"
+    offset = f"UTC{sign_hours_minutes[:3]}:{sign_hours_minutes[3:5]}"
+    stamp = f"{moment:%Y-%m-%d %H:%M:%S}"
+    if zone == "UTC" and offset == "UTC+00:00":
+        return f"{stamp} UTC"
+    if not zone or zone[0] in "+-":
+        return f"{stamp} {offset}"
+    return f"{stamp} {zone} ({offset})"
+
+
+def capped(count: int, cap: int) -> str:
+    """A count made with a cap (``queryset[:cap].count()``), in words: "12", or
+    "10,000 or more" when it reached the cap."""
+    return f"{cap:,} or more" if count >= cap else f"{count:,}"
 
 
 def lock_alias(database: str | None) -> str:

@@ -1,10 +1,14 @@
 """Delete lock rows free or expired for at least --idle (default 1d) and audit events older
 than --events-older-than (default DISTLOCK_AUDIT_RETENTION; with audit off, only when
-given). Durations: seconds or 90s, 15m, 12h, 7d, 2w.
+given). Durations: seconds or 90s, 15m, 12h, 7d, 2w. --dry-run counts what would be
+deleted and deletes nothing.
 
 Thin over :func:`distlock.purge_locks` (which raises the token floor to every token it
 deletes, so a purged name that comes back still gets a higher token) and
-:func:`distlock.ops.audit.purge_events`; both delete in short batches.
+:func:`distlock.ops.audit.purge_events`; both delete in short batches. A dry run counts
+with the same conditions, by the same database clock (one count per table, which reads
+the rows a purge would read): the rows that become idle in between, or that a holder
+takes again, make the real purge differ by that much.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from django.core.management.base import CommandError, CommandParser
 
 from distlock.conf import conf
 from distlock.core.purge import purge_locks
-from distlock.core.status import duration
+from distlock.core.status import database_now, duration
 from distlock.management.commands._common import LockCommand, parse_duration
+from distlock.models import Lock, LockEvent
 from distlock.ops.audit import purge_events, retention
 
 
@@ -31,6 +36,10 @@ class Command(LockCommand):
         )
         parser.add_argument(
             "--skip-events", action="store_true", help="Leave the audit history alone."
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true",
+            help="Say how many lock rows and audit events would be deleted; delete nothing.",
         )
 
     def run(self, alias: str, **options: Any) -> None:
@@ -47,19 +56,32 @@ class Command(LockCommand):
                 raise CommandError(str(exc)) from exc
         # Everything is checked before anything is deleted (parse_duration keeps both
         # durations within what purge_locks and purge_events accept).
-        locks = purge_locks(idle=idle, using=alias)
-        self.stdout.write(
-            f"Deleted {locks} lock row(s) idle for at least {duration(idle.total_seconds())}."
-        )
+        dry = options["dry_run"]
+        idle_words = duration(idle.total_seconds())
+        if dry:
+            # purge_look's condition (backends/floor.py): free or expired at least idle.
+            cutoff = database_now(alias) - round(idle.total_seconds() * 1e6)
+            would = Lock.objects.using(alias).filter(expires_us__lte=cutoff).count()
+            self.stdout.write(f"Would delete {would} lock row(s) idle for at least "
+                              f"{idle_words} (dry run: nothing deleted).")
+        else:
+            locks = purge_locks(idle=idle, using=alias)
+            self.stdout.write(f"Deleted {locks} lock row(s) idle for at least {idle_words}.")
         # With audit off there is no history to keep tidy (unless asked for by age): a
         # line about audit events would only puzzle a site that never turned it on.
         if options["skip_events"] or (events is None and not conf.AUDIT):
             return
         if events is None and retention() is None:
-            self.stdout.write("Kept all audit events (DISTLOCK_AUDIT_RETENTION is None).")
+            kept = "Would keep" if dry else "Kept"
+            self.stdout.write(f"{kept} all audit events (DISTLOCK_AUDIT_RETENTION is None).")
             return
         age = events if events is not None else timedelta(seconds=retention() or 0)
+        age_words = duration(age.total_seconds())
+        if dry:
+            # purge_events' cutoff: older than age by the database clock.
+            cutoff = database_now(alias) - round(age.total_seconds() * 1e6)
+            would = LockEvent.objects.using(alias).filter(at_us__lt=cutoff).count()
+            self.stdout.write(f"Would delete {would} audit event(s) older than {age_words}.")
+            return
         deleted = purge_events(older_than=age, using=alias)
-        self.stdout.write(
-            f"Deleted {deleted} audit event(s) older than {duration(age.total_seconds())}."
-        )
+        self.stdout.write(f"Deleted {deleted} audit event(s) older than {age_words}.")
