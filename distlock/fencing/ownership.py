@@ -76,7 +76,7 @@ else:
     _BooleanLookup = Lookup
 
 
-class SameName(Lookup[bool]):
+class SameName(_BooleanLookup):
     """``<lock name of the row> = %s``, compared byte for byte under any collation of the
     columns it reads (``Backend.name_equals_sql``), never NULL.
 
