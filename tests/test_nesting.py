@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from celery import Celery
-from django.db import connections
+from django.db import connections, transaction
 
 from distlock import (
     DistlockError,
@@ -120,6 +120,31 @@ def test_a_nested_lock_of_the_same_name_raises_at_once_and_the_outer_lease_stays
     stored = row(name)
     assert stored.is_free and stored.token == outer.token, "no second grant"
     assert outer.released_at is not None, "the block released a lease it still held"
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "locks"])
+@pytest.mark.parametrize("alias", ["default", "locks"])
+def test_a_nested_lock_inside_the_callers_own_transaction_still_raises_before_any_sql(alias):
+    """The caller turned autocommit off (its own transaction, on the lock's database or
+    through the other alias of it): the nested lock is refused at once, before a statement
+    could join that transaction, and the outer lease is untouched."""
+    name = "nest:autocommit"
+    with lock(name, ttl=TTL) as outer:
+        transaction.set_autocommit(False, using=alias)
+        try:
+            with (
+                statements() as sent,
+                statements("locks") as sent_locks,
+                pytest.raises(NestedLock) as caught,
+            ):
+                lock(name, ttl=TTL, timeout=INNER_TIMEOUT, using=alias).__enter__()
+            assert sent == [] and sent_locks == [], "refused before any SQL"
+        finally:
+            transaction.rollback(using=alias)
+            transaction.set_autocommit(True, using=alias)
+        assert_nested(caught.value, outer)
+        assert_still_held(outer)
+    assert row(name).is_free and row(name).token == outer.token
 
 
 def test_nesting_other_names_and_a_lock_released_inside_its_block_are_no_nesting():
