@@ -2,7 +2,7 @@
 folded into its UPDATE, exact names and InnoDB's errors.
 
 Acquire, renew and release are one ``CALL`` each, in autocommit mode: the procedures of
-migration 0006 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, in
+migration 0003 (``distlock_acquire``, ``distlock_renew``, ``distlock_release``, in
 :mod:`distlock.backends.mysql_procedures`) run the portable steps of
 :mod:`distlock.backends.base` on the server — ``START TRANSACTION``, the ``FOR UPDATE``
 read, the clock read after it, the conditional UPDATE, ``COMMIT`` — and answer with one
@@ -180,7 +180,7 @@ class MySQL(Backend):
         the client CPU of an operation that is one CALL."""
         return _RawCursor.reused(connection)
 
-    # -- the lock operations: stored procedures (migration 0006) ---------------------------
+    # -- the lock operations: stored procedures (migration 0003) ---------------------------
 
     # Each procedure runs its own START TRANSACTION, which would commit a transaction the
     # cursor's connection has open: there (never from db.run, which refuses to run inside
@@ -225,7 +225,7 @@ class MySQL(Backend):
         return bool(held), released_us
 
     def install_procedures(self, schema_editor: Any, install: bool) -> None:
-        """Create (``install``) or drop the procedures (migration 0006)."""
+        """Create (``install``) or drop the procedures (migration 0003)."""
         collation = self.name_collation(schema_editor.connection)
         for sql in procedures_sql(collation or "utf8mb4_nopad_bin") if install else DROP:
             schema_editor.execute(sql, params=None)  # None: no placeholders in routines
@@ -260,7 +260,7 @@ class MySQL(Backend):
         return found
 
     def missing_procedures(self, connection: BaseDatabaseWrapper) -> list[str]:
-        """Which of migration 0006's procedures this connection's user cannot see in its
+        """Which of migration 0003's procedures this connection's user cannot see in its
         database (information_schema lists only routines the user has a privilege on)."""
         with connection.cursor() as cursor:
             cursor.execute(
@@ -327,10 +327,10 @@ def _autocommit(cursor: Any) -> bool:
 
 # What to do about a missing procedure: the doctor's finding and the error of a CALL.
 _NO_PROCEDURE = (
-    "migration distlock.0006_mysql_procedures has not run on this database, or its "
+    "migration distlock.0003_mysql_procedures has not run on this database, or its "
     "procedures were dropped since (a mysqldump without --routines leaves them out); "
-    "acquire, renew and release CALL them. Run `manage.py migrate distlock` (if 0006 is "
-    "recorded as applied: `migrate distlock 0005`, then `migrate distlock`)"
+    "acquire, renew and release CALL them. Run `manage.py migrate distlock` (if 0003 is "
+    "recorded as applied: `migrate distlock 0002`, then `migrate distlock`)"
 )
 # "PROCEDURE … does not exist" (ER_SP_DOES_NOT_EXIST).
 _NO_SUCH_PROCEDURE = 1305
