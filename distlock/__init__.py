@@ -20,6 +20,7 @@ from distlock.exceptions import (
 )
 
 if TYPE_CHECKING:
+    from distlock.core.async_groups import aacquire_all, alock_all
     from distlock.core.async_locks import (
         aacquire,
         abreak_lock,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         alocked,
         apurge_locks,
     )
+    from distlock.core.groups import LeaseGroup, acquire_all, lock_all
     from distlock.core.inspection import LockStatus, alock_status, lock_status
     from distlock.core.leases import Lease
     from distlock.core.locks import (
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DistlockError",
     "Lease",
+    "LeaseGroup",
     "LockLost",
     "LockStatus",
     "LockTimeout",
@@ -50,15 +53,19 @@ __all__ = [
     "TokenExhausted",
     "TransactionNotAllowed",
     "aacquire",
+    "aacquire_all",
     "abreak_lock",
     "acquire",
+    "acquire_all",
     "alock",
+    "alock_all",
     "alock_status",
     "alocked",
     "apurge_locks",
     "break_lock",
     "current_lease",
     "lock",
+    "lock_all",
     "lock_status",
     "locked",
     "purge_locks",
@@ -67,6 +74,11 @@ __all__ = [
 
 _LAZY = {
     "Lease": "distlock.core.leases",
+    "LeaseGroup": "distlock.core.groups",
+    "acquire_all": "distlock.core.groups",
+    "lock_all": "distlock.core.groups",
+    "aacquire_all": "distlock.core.async_groups",
+    "alock_all": "distlock.core.async_groups",
     "LockStatus": "distlock.core.inspection",
     "alock_status": "distlock.core.inspection",
     "lock_status": "distlock.core.inspection",
