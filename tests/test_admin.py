@@ -12,11 +12,13 @@ import re
 from collections import Counter
 from html import unescape
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Permission
+from django.db import connection
 from django.test import Client
 from django.urls import reverse
 from django.utils.timezone import localtime
@@ -26,6 +28,7 @@ from distlock.admin.search import check_term, prefix_end
 from distlock.core.status import EXPIRED, FREE, HELD, STATES, locks, state_is
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
+from distlock.ops.audit import record
 from tests.support.helpers import expired_lock
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -108,7 +111,8 @@ def test_changelist_shows_every_column(su_client, three_locks):
     expires = re.search(r'field-expires">(.*?)</td>', row).group(1)
     assert re.search(r'<span class="distlock-relative">in (2\d|30) s</span>', expires)
     acquired = re.search(r'field-acquired">(.*?)</td>', row).group(1)
-    assert re.search(r'>\d\d:\d\d:\d\d</time>', acquired)  # today: the time, to the second
+    # Today: the time, to the second, with the site's zone.
+    assert re.search(r'>\d\d:\d\d:\d\d [A-Z][A-Za-z+0-9-]*</time>', acquired)
     assert f'datetime="{localtime(held.acquired_at).isoformat()}"' in acquired
     assert re.search(r'field-renewed">once<span class="distlock-relative">(now|\d s ago)<', row)
 
@@ -940,8 +944,11 @@ def test_free_locks_say_released_or_broken_from_the_audit(su_client, settings):
     assert re.search(r">released (now|\d s ago)<", found["freed:again"])
     assert "broken" not in found["freed:again"]
     page = su_client.get(reverse("admin:distlock_lock_change", args=["freed:broken"]))
-    assert re.search(r"broken (now|\d s ago)</span> \(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ",
-                     page.content.decode())
+    # Said in the page, not only on hover, and never under "Expires".
+    html = page.content.decode()
+    assert re.search(r"broken (now|\d s ago) by carol — <time[^>]*>"
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} ", html)
+    assert "Expires:" not in html and "Freed:" in html
     assert broken.release() is False and again.release() is False
 
 
@@ -1079,3 +1086,195 @@ def test_names_are_in_code_point_order_on_the_test_databases(lock_db):
 
     connection = connections[lock_db]
     assert backend_for(connection).names_in_code_point_order(connection)
+
+
+# --- the Locks list's holder and held-by lookup, the lock page (issue 34) ---------------
+
+LOCK_PAGE = "admin:distlock_lock_change"
+
+
+def field(response, name: str) -> str:
+    """The text of one read-only field of a lock's page, tags dropped."""
+    html = response.content.decode()
+    found = re.search(rf'class="form-row field-{name}">.*?<div class="readonly">(.*?)</div>',
+                      html, re.S)
+    assert found is not None, f"no field {name}"
+    return unescape(re.sub(r"<[^>]+>", "", found.group(1)))
+
+
+def test_the_holder_shows_its_end_the_part_that_names_the_worker(su_client):
+    long = "task=celery-worker-7@node-12 job=invoice:nightly-rebuild attempt=3 worker-END"
+    lease = acquire("holder:long", ttl=30, holder=long)
+    acquire("holder:short", ttl=30, holder="w1")
+    found = rows(su_client.get(reverse(CHANGELIST)))
+    cell = re.search(r'field-holder_cut">(.*?)</td>', found["holder:long"]).group(1)
+    shown = unescape(re.search(r'class="[^"]*distlock-holder"[^>]*>([^<]*)<', cell).group(1))
+    whole = Lock.objects.get(name="holder:long").holder
+    assert whole.endswith("worker-END") and len(whole) > 60
+    # The middle elided: the start (host) and the end (the worker) stay; all on hover.
+    assert shown.endswith("attempt=3 worker-END") and "…" in shown
+    assert shown.startswith(whole[:10]) and len(shown) < len(whole)
+    assert f'title="{whole}"' in cell
+    # A holder that fits two lines is shown whole.
+    short = Lock.objects.get(name="holder:short").holder
+    assert f">{short}</span>" in found["holder:short"]
+    assert lease.owner[:8] in cell
+
+
+def test_held_by_finds_the_locks_a_worker_holds(su_client):
+    acquire("job:a1", ttl=30, holder="worker-A")
+    acquire("job:a2", ttl=30, holder="worker-A")
+    acquire("job:b1", ttl=30, holder="worker-B")
+    expired_lock("job:a-expired", holder="worker-A")  # still its: not taken over
+    acquire("job:a-released", ttl=30, holder="worker-A").release()  # free: nobody's
+    found = su_client.get(reverse(CHANGELIST), {"holder": "worker-a"})  # any case
+    assert sorted(result_names(found)) == ["job:a-expired", "job:a1", "job:a2"]
+    html = found.content.decode()
+    assert 'value="worker-a"' in html  # the box keeps the term
+    assert 'id="distlock-search-hint"' not in html
+    assert result_names(su_client.get(reverse(CHANGELIST), {"holder": "worker-B"})) == [
+        "job:b1"]
+
+
+def test_a_search_that_finds_nothing_says_what_it_looks_at(su_client):
+    acquire("job:a1", ttl=30, holder="worker-A")
+    searched = su_client.get(reverse(CHANGELIST), {"q": "worker-A"})
+    assert result_names(searched) == []
+    hint = re.search(r'id="distlock-search-hint">(.*?)</p>', searched.content.decode(), re.S)
+    assert hint is not None
+    text = unescape(hint.group(1))
+    assert "the search looks at lock names only" in text
+    link = re.search(r'href="([^"]+)" id="distlock-held-by-suggestion"', text).group(1)
+    assert link == "?holder=worker-A"
+    assert result_names(su_client.get(reverse(CHANGELIST) + link)) == ["job:a1"]
+
+    nobody = su_client.get(reverse(CHANGELIST), {"holder": "worker-Z"})
+    assert result_names(nobody) == []
+    assert "No held or expired lock has a holder containing “worker-Z”" in unescape(
+        nobody.content.decode())
+    # A search that finds something says nothing more.
+    found = su_client.get(reverse(CHANGELIST), {"q": "job:"})
+    assert result_names(found) == ["job:a1"]
+    assert 'id="distlock-search-hint"' not in found.content.decode()
+
+
+def test_the_lock_page_answers_everything_about_one_lock(su_client, settings):
+    settings.DISTLOCK_AUDIT = True
+    expired_lock("page:lock", holder="old-worker")
+    lease = acquire("page:lock", ttl=600, holder="worker-7")  # a take-over
+    lease.renew(ttl=600)
+    record("stale_write", name="page:lock", using="default", token=lease.token - 1)
+    record("stale_write", name="page:lock", using="default", token=lease.token - 1)
+    break_lock("page:lock", by="carol")
+    lease = acquire("page:lock", ttl=600, holder="worker-8")
+    lease.renew(ttl=600)
+    acquire("page:other", ttl=30).release()  # another lock's events are not counted
+    page = su_client.get(reverse(LOCK_PAGE, args=["page:lock"]))
+    assert re.fullmatch(r"\d+ s \(since acquired, by the database clock\)",
+                        field(page, "held_for"))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \S+ \((now|\d s ago)\), "
+                        r"1 renewal", field(page, "renewed_at"))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \S+ \(in (9|10) min\)",
+                        field(page, "expires_at"))
+    # 3 grants: the first, the take-over, the one after the break.
+    assert field(page, "last_hour") == "3 grants (1 take-over), 2 stale writes refused"
+    assert re.fullmatch(r"by carol, \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \S+ "
+                        r"\((now|\d s ago)\) \(token 2\)", field(page, "broken_by"))
+    waiting = field(page, "waiters")
+    if connection.vendor == "postgresql":
+        assert waiting == "nobody is waiting"
+    else:
+        assert waiting.startswith("not known here")
+    html = page.content.decode()
+    assert f'href="{reverse(EVENTS)}?name__exact=page%3Alock"' in html
+    timeline = reverse("admin:distlock_lock_timeline") + "?name=page%3Alock"
+    assert f'id="distlock-timeline-link" href="{timeline}"' in html
+
+
+def test_a_lock_never_broken_or_renewed_says_so(su_client, settings):
+    settings.DISTLOCK_AUDIT = True
+    acquire("page:calm", ttl=30)
+    page = su_client.get(reverse(LOCK_PAGE, args=["page:calm"]))
+    assert field(page, "renewed_at") == "never renewed"
+    assert field(page, "broken_by") == "never (as far as the audit history goes)"
+    assert field(page, "last_hour") == "1 grant (0 take-overs), 0 stale writes refused"
+
+
+def test_an_expired_lock_page_says_it_ran_out(su_client):
+    expired_lock("page:expired")
+    page = su_client.get(reverse(LOCK_PAGE, args=["page:expired"]))
+    assert re.fullmatch(r"ran out \d{4}-\S+ \d\d:\d\d:\d\d\.\d{3} \S+ \((now|\d+ s ago)\) — "
+                        r"nobody took it over; the next acquire will",
+                        field(page, "expires_at"))
+    assert "the lease ran out" in field(page, "held_for")
+
+
+@pytest.mark.no_pooler("a waiter's session advisory lock")
+@pytest.mark.skipif("connection.vendor != 'postgresql'",
+                    reason="waiters register (pg_locks) on PostgreSQL only")
+def test_the_lock_page_counts_who_waits_on_postgresql(su_client):
+    from distlock import lock_status
+    from tests.support.helpers import start_thread, wait_until
+
+    holder = acquire("page:wanted", ttl=60)
+    granted = []
+    waiter = start_thread(lambda: granted.append(acquire("page:wanted", ttl=30, timeout=30)))
+    try:
+        wait_until(lambda: lock_status("page:wanted").waiters == 1, 10, "the waiter registers")
+        page = su_client.get(reverse(LOCK_PAGE, args=["page:wanted"]))
+        assert field(page, "waiters").startswith("1 session waits")
+    finally:
+        holder.release()
+        waiter.join(30)
+    assert granted
+    granted[0].release()
+
+
+def test_breaking_from_the_lock_page_returns_to_it(django_user_model, settings):
+    settings.DISTLOCK_AUDIT = True
+    acquire("page:break", ttl=30, holder="payer")
+    operator = Client()
+    operator.force_login(user_with(django_user_model, "operator", "view_lock", "break_lock"))
+    here = reverse(LOCK_PAGE, args=[quote("page:break")])
+    fields = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"',
+                             break_button(operator.get(here))))
+    confirmation = operator.post(reverse(CHANGELIST), fields)
+    assert f'href="{here}" class="button cancel-link"' in confirmation.content.decode()
+    done = confirm(operator, confirmation, follow=False)
+    assert done.status_code == 302 and done["Location"] == here
+    page = operator.get(here)
+    assert any("Broke 1 lock(s): page:break" in m for m in messages_of(page))
+    assert re.fullmatch(r"broken (now|\d s ago) by operator \(admin\) — .*",
+                        field(page, "freed_at"))
+    assert "Expires:" not in page.content.decode()
+    # From the list, the list it stays.
+    acquire("page:break", ttl=30)
+    done = confirm(operator, post_action(operator, ["page:break"]), follow=False)
+    assert done["Location"] == reverse(CHANGELIST)
+
+
+def test_times_carry_the_site_zone_with_a_relative_time(su_client):
+    from django.test import override_settings
+
+    lease = acquire("zone:held", ttl=240, holder="w")
+    lease.renew(ttl=240)
+    with override_settings(TIME_ZONE="Asia/Kolkata"):
+        listed = su_client.get(reverse(CHANGELIST)).content.decode()
+        page = su_client.get(reverse(LOCK_PAGE, args=["zone:held"]))
+    local = localtime(lease.expires_at, timezone=ZoneInfo("Asia/Kolkata"))
+    times = re.findall(r"<time[^>]*>([^<]*)</time>", listed)
+    assert times and all(text.endswith(" IST") for text in times), times
+    row = rows_of_html(listed)["zone:held"]
+    assert re.search(rf'>{local:%H:%M:%S} IST</time><span class="distlock-relative">'
+                     r"in [34] min</span>", row)
+    stamp = f"{local:%Y-%m-%d %H:%M:%S}.{local.microsecond // 1000:03d} IST"
+    assert re.fullmatch(rf"{re.escape(stamp)} \(in [34] min\)", field(page, "expires_at"))
+    shown = re.findall(r"<time[^>]*>([^<]*)</time>", page.content.decode())
+    assert len(shown) >= 3 and all(text.endswith(" IST") for text in shown), shown
+
+
+def rows_of_html(html: str) -> dict[str, str]:
+    class _Response:
+        content = html.encode()
+
+    return rows(_Response())

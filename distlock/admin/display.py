@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db.models import Q
-from django.utils import timezone
+from django.utils import dateformat, timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -75,12 +75,65 @@ def precise(us: int | None) -> str:
     return f"{local:%Y-%m-%d %H:%M:%S}.{local.microsecond // 1000:03d} {local:%Z}".rstrip()
 
 
-def when_and_relative(us: int | None, now_us: int | None) -> SafeString:
-    """The time on one line and "in 59 min" / "12 s ago" under it."""
+def clock(us: int | None, now_us: int, *, exact: bool = False) -> SafeString:
+    """A database-clock time in the site's time zone with the zone shown: "17:37:49 IST",
+    with the date before it when it is not the database clock's today there; to the
+    millisecond on hover. ``exact``: the date and the milliseconds always (a lock's page,
+    where leases of a second or less must be told apart).
+
+    The one way the Locks list, a lock's page and the overview show a time: the database
+    clock, never the browser's or this server's, always with its zone."""
     if us is None:
         return SafeString("")
-    return format_html('{}<span class="distlock-relative">{}</span>', when(us),
-                       relative(us, now_us))
+    local = _local(us)
+    if exact:
+        shown = precise(us)
+    else:
+        today = timezone.localtime(from_us(now_us)).date()
+        shown = dateformat.format(
+            local, "H:i:s T" if local.date() == today else "Y-m-d H:i:s T"
+        )
+    return format_html('<time class="distlock-when" datetime="{}" title="{}">{}</time>',
+                       local.isoformat(), precise(us), shown)
+
+
+def clock_and_relative(
+    us: int | None, now_us: int, *, inline: bool = False, exact: bool = False
+) -> SafeString:
+    """:func:`clock` and "in 59 min" / "12 s ago" beside it: under it in a list cell,
+    in brackets after it with ``inline`` ("17:37:49 IST (in 4 min)")."""
+    if us is None:
+        return SafeString("")
+    if inline:
+        return format_html('{} <span class="distlock-relative-inline">({})</span>',
+                           clock(us, now_us, exact=exact), relative(us, now_us))
+    return format_html('{}<span class="distlock-relative">{}</span>',
+                       clock(us, now_us, exact=exact), relative(us, now_us))
+
+
+def elide(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, its middle replaced by "…": the start (a
+    holder's host) and the longer end (``pid=… thread=… task=…``, which names the
+    worker) stay, as ``distlock_list`` shows a holder."""
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 3
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+# About two lines of the holder column (admin.css's and the list template's width).
+HOLDER_WIDTH = 36
+
+
+def holder_text(text: str) -> SafeString:
+    """A holder for a list cell: whole on up to two lines, or its middle elided so that
+    its end, the part that names the worker, stays; all of it on hover."""
+    if not text:
+        return SafeString("")
+    # distlock-cut too: its hover text and what finds it stay; the list's style makes it
+    # two lines wide instead of one cut at 10em.
+    return format_html('<span class="distlock-cut distlock-holder" title="{}">{}</span>', text,
+                       elide(text, HOLDER_WIDTH))
 
 
 def cut(text: str, css: str = "distlock-cut") -> SafeString:

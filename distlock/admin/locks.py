@@ -12,48 +12,57 @@ deleting a row could let a name start again below a token already handed out.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-from django.contrib.admin.utils import unquote
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.admin.views.main import ChangeList
-from django.db.models import QuerySet
+from django.db.models import BooleanField, Count, QuerySet
+from django.db.models.expressions import RawSQL
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
+from django.utils.safestring import SafeString
 from django.utils.translation import gettext
 
 from distlock.admin.display import (
     badge,
-    cut,
+    clock_and_relative,
     freed,
+    holder_text,
     mark_freed,
-    precise,
     short_owner,
-    when_and_relative,
 )
 from distlock.admin.paging import CappedPaginator, SortedWhereBounded, sortable_columns
 from distlock.admin.search import HELP_TEXT, NameSearch
 from distlock.admin.views.overview import fragment as overview_fragment
 from distlock.admin.views.overview import page as overview_page
+from distlock.admin.views.timeline import URL_NAME as TIMELINE_URL_NAME
 from distlock.admin.views.timeline import timeline_url
+from distlock.backends.indexes import RARE_KINDS_SQL
 from distlock.conf import conf
+from distlock.constants import HOLDER_LENGTH
+from distlock.core.inspection import LockStatus, lock_status
 from distlock.core.locks import break_lock
 from distlock.core.status import (
     EXPIRED,
     FREE,
     HELD,
     LockWithState,
+    duration,
     relative,
     state_is,
     with_state,
 )
 from distlock.db import db_now_us
 from distlock.exceptions import TransactionNotAllowed
-from distlock.models import Lock
+from distlock.models import Lock, LockEvent
+from distlock.times import EPOCH
 from distlock.validation import check_name, check_owner, check_token
 
 if TYPE_CHECKING:
@@ -100,12 +109,94 @@ class StateFilter(admin.SimpleListFilter):
         return queryset
 
 
+class HeldByFilter(admin.SimpleListFilter):
+    """``?holder=worker-7``: the locks a worker holds, those whose holder text contains
+    the term (any case), held or expired (a free lock has no holder).
+
+    The holder has no index; the owned rows' does (``owner > ''``, migration 0001), so the
+    lookup reads what is owned, never the whole table. The box for it sits under the
+    search box (templates/admin/distlock/lock/change_list.html)."""
+
+    title = "held by"
+    parameter_name = "holder"
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        # Only the term asked for: a list of every holder would read every owned row.
+        term = held_by_term(self.value())
+        return [(self.value() or "", f"“{term}”")] if term else []
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        term = held_by_term(self.value())
+        if not term:
+            return queryset
+        if len(term) > HOLDER_LENGTH or "\x00" in term:
+            return queryset.none()  # no holder text can contain it
+        return queryset.filter(owner__gt="", holder__icontains=term)
+
+
+def held_by_term(value: str | None) -> str:
+    """The part of a holder text ``?holder=`` asks for, white space around it dropped."""
+    return (value or "").strip()
+
+
+# The lock page's window of recent events.
+HOUR_US = 3600 * 1_000_000
+
+
+@dataclass(frozen=True)
+class LockFacts:
+    """What a lock's page says beside its row: its status (``lock_status``: held for,
+    waiters), the audit's last hour of it and its latest break."""
+
+    status: LockStatus
+    now_us: int
+    grants: int
+    took_over: int
+    stale: int
+    broken: LockEvent | None
+
+
+def lock_facts(name: str, alias: str) -> LockFacts:
+    """Lock ``name``'s status and its audit's last hour (through the events'
+    ``(name, at_us)`` index) and latest break (a rare kind: the rare kinds' index)."""
+    status = lock_status(name, using=alias)
+    now_us = (status.db_now - EPOCH) // timedelta(microseconds=1)
+    events = LockEvent.objects.using(alias).filter(name=name)
+    counts = {
+        row["kind"]: row["n"]
+        for row in events.filter(at_us__gte=now_us - HOUR_US)
+        .values("kind").annotate(n=Count("id")).order_by()
+    }
+    broken = (
+        events.filter(kind=LockEvent.Kind.BROKEN)
+        .filter(RawSQL(RARE_KINDS_SQL, [], output_field=BooleanField()))
+        .order_by("-at_us", "-id").first()
+    )
+    took_over = counts.get(LockEvent.Kind.TOOK_OVER, 0)
+    return LockFacts(
+        status=status, now_us=now_us,
+        grants=counts.get(LockEvent.Kind.ACQUIRED, 0) + took_over, took_over=took_over,
+        stale=counts.get(LockEvent.Kind.STALE_WRITE, 0), broken=broken,
+    )
+
+
+def _exact(us: int | None, now_us: int) -> SafeString:
+    """A time on a lock's page: "2026-12-03 17:37:49.120 IST (in 4 min)"."""
+    return clock_and_relative(us, now_us, inline=True, exact=True)
+
+
+def _plural(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
 @admin.register(Lock)
 class LockAdmin(NameSearch, _LockAdminBase):
     list_display = [
         "name", "state_badge", "holder_cut", "token", "acquired", "expires", "renewed",
     ]
-    list_filter = [StateFilter]
+    list_filter = [StateFilter, HeldByFilter]
     # The box searches names only, by prefix through the primary key (NameSearch: one
     # range of the index, where Django's search would scan the table).
     search_fields = ["name"]
@@ -121,10 +212,11 @@ class LockAdmin(NameSearch, _LockAdminBase):
     # Tuples: django-stubs types fields and readonly_fields differently, and only a tuple
     # (immutable, so covariant) suits both.
     fields = (
-        "name", "state_badge", "holder", "owner", "token", "acquired_at", "renewed_at",
-        "expires_at", "renew_count", "history",
+        "name", "state_badge", "holder", "owner", "token", "held_for", "acquired_at",
+        "renewed_at", "expires_at", "waiters", "last_hour", "broken_by", "history",
     )
-    readonly_fields = fields
+    # A free lock has no expiry: its page says how and when it was freed instead.
+    readonly_fields = (*fields, "freed_at")
     change_form_template = "admin/distlock/lock/change_form.html"
     change_list_template = "admin/distlock/lock/change_list.html"
     confirmation_template = "admin/distlock/lock/break_confirmation.html"
@@ -133,6 +225,11 @@ class LockAdmin(NameSearch, _LockAdminBase):
         css = _MEDIA_CSS
 
     # --- read-only table -------------------------------------------------------------
+
+    def get_fields(self, request: HttpRequest, obj: Lock | None = None) -> Any:
+        if obj is not None and obj.is_free:
+            return tuple("freed_at" if f == "expires_at" else f for f in self.fields)
+        return self.fields
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return _LockChangeList
@@ -198,7 +295,36 @@ class LockAdmin(NameSearch, _LockAdminBase):
             # Django's own words for an action that is not offered (and its translation).
             self.message_user(request, gettext("No action selected."), messages.WARNING)
             return HttpResponseRedirect(request.get_full_path())
-        return super().changelist_view(request, extra_context)
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)
+        if context is not None and "cl" in context:
+            context["distlock_search_hint"] = self._search_hint(context["cl"])
+            context["distlock_held_by"] = held_by_term(
+                request.GET.get(HeldByFilter.parameter_name))
+        return response
+
+    def _search_hint(self, cl: ChangeList) -> str:
+        """What a search or a held-by lookup that found nothing looks at, and where
+        else to look; "" when something was found or nothing was asked."""
+        if cl.result_count:
+            return ""
+        holder = held_by_term(cl.params.get(HeldByFilter.parameter_name))
+        if holder:
+            return format_html(
+                "No held or expired lock has a holder containing “{}”: the held-by lookup "
+                "looks at the holder text of the locks that are owned now (any case, any "
+                "part of it); a free lock has no holder.", holder,
+            )
+        term = cl.query.strip()
+        if not term:
+            return ""
+        url = f"?{urlencode({HeldByFilter.parameter_name: term})}"
+        return format_html(
+            "No lock name starts with “{}”: the search looks at lock names only, at their "
+            "start, case-sensitive. To find the locks a worker holds, look up its holder: "
+            '<a href="{}" id="distlock-held-by-suggestion">held by “{}”</a>.',
+            term, url, term,
+        )
 
     # --- columns ---------------------------------------------------------------------
 
@@ -212,18 +338,18 @@ class LockAdmin(NameSearch, _LockAdminBase):
     @admin.display(description="holder", ordering="holder")
     def holder_cut(self, obj: Lock) -> str:
         # The owner under the holder, not a column of its own: the list must fit 1366 px.
-        return format_html("{}{}", cut(obj.holder), short_owner(obj.owner))
+        return format_html("{}{}", holder_text(obj.holder), short_owner(obj.owner))
 
     @admin.display(description="acquired", ordering="acquired_us")
     def acquired(self, obj: LockWithState) -> str:
-        return when_and_relative(obj.acquired_us, obj.db_now_us)
+        return clock_and_relative(obj.acquired_us, obj.db_now_us)
 
     @admin.display(description="expires", ordering="expires_us")
     def expires(self, obj: LockWithState) -> str:
         # A free row's expires_us is its release time, not a deadline.
         if obj.is_free:
             return freed(obj, obj.db_now_us)
-        return when_and_relative(obj.expires_us, obj.db_now_us)
+        return clock_and_relative(obj.expires_us, obj.db_now_us)
 
     @admin.display(description="renewed", ordering="renew_count")
     def renewed(self, obj: LockWithState) -> str:
@@ -233,29 +359,101 @@ class LockAdmin(NameSearch, _LockAdminBase):
         return format_html('{}<span class="distlock-relative">{}</span>', times,
                            relative(obj.renewed_us, obj.db_now_us))
 
-    # The lock's own page: every time to the millisecond, in the site's time zone.
+    # The lock's own page: every time to the millisecond, in the site's time zone with
+    # the zone shown, and how long ago or ahead by the database clock beside it.
+
+    def _facts(self, obj: Lock) -> LockFacts:
+        """The page's facts, read once per page (the fields below share them)."""
+        facts: LockFacts | None = getattr(obj, "distlock_facts", None)
+        if facts is None:
+            facts = lock_facts(obj.name, conf.database())
+            obj.distlock_facts = facts  # type: ignore[attr-defined]
+        return facts
+
+    @admin.display(description="held for")
+    def held_for(self, obj: Lock) -> str:
+        status = self._facts(obj).status
+        if status.acquired_at is None:
+            return "not held"
+        seconds = (status.db_now - status.acquired_at).total_seconds()
+        if status.held:
+            return f"{duration(seconds)} (since acquired, by the database clock)"
+        return f"{duration(seconds)} since acquired; the lease ran out and nobody took it over"
 
     @admin.display(description="acquired")
-    def acquired_at(self, obj: Lock) -> str:
-        return precise(obj.acquired_us)
+    def acquired_at(self, obj: LockWithState) -> str:
+        return _exact(obj.acquired_us, obj.db_now_us)
 
-    @admin.display(description="renewed")
-    def renewed_at(self, obj: Lock) -> str:
-        return precise(obj.renewed_us) if obj.renewed_us is not None else "never"
+    @admin.display(description="last renewal")
+    def renewed_at(self, obj: LockWithState) -> str:
+        if obj.renewed_us is None or not obj.renew_count:
+            return "never renewed"
+        return format_html(
+            "{}, {}", _exact(obj.renewed_us, obj.db_now_us),
+            _plural(obj.renew_count, "renewal", "renewals"),
+        )
 
     @admin.display(description="expires")
     def expires_at(self, obj: LockWithState) -> str:
-        if obj.is_free:
-            return format_html("{} ({})", freed(obj, obj.db_now_us), precise(obj.expires_us))
-        return format_html("{} ({})", precise(obj.expires_us),
-                           relative(obj.expires_us, obj.db_now_us))
+        if obj.state == EXPIRED:
+            return format_html("ran out {} — nobody took it over; the next acquire will",
+                               _exact(obj.expires_us, obj.db_now_us))
+        return _exact(obj.expires_us, obj.db_now_us)
+
+    @admin.display(description="freed")
+    def freed_at(self, obj: LockWithState) -> str:
+        # "broken 4 s ago by ops (admin)", said in the page, not only on hover.
+        event = getattr(obj, "freed_by_event", None)
+        how = freed(obj, obj.db_now_us)
+        if event is not None and event.kind == LockEvent.Kind.BROKEN:
+            how = format_html("broken {} by {}", relative(obj.expires_us, obj.db_now_us),
+                              event.by or "?")
+        return format_html("{} — {}", how, _exact(obj.expires_us, obj.db_now_us))
+
+    @admin.display(description="waiting")
+    def waiters(self, obj: Lock) -> str:
+        count = self._facts(obj).status.waiters
+        if count is None:
+            return ("not known here: waiters on this database (or with DISTLOCK_WAKEUPS "
+                    "off) poll the lock row and register nowhere")
+        if count == 0:
+            return "nobody is waiting"
+        return _plural(count, "session waits", "sessions wait") + (
+            " (a process, or one event loop for all its coroutines)")
+
+    @admin.display(description="last hour")
+    def last_hour(self, obj: Lock) -> str:
+        facts = self._facts(obj)
+        text = (
+            f"{_plural(facts.grants, 'grant', 'grants')} "
+            f"({_plural(facts.took_over, 'take-over', 'take-overs')}), "
+            f"{_plural(facts.stale, 'stale write', 'stale writes')} refused"
+        )
+        if not conf.AUDIT:
+            text += " (audit is off: DISTLOCK_AUDIT; nothing new is recorded)"
+        return text
+
+    @admin.display(description="last broken")
+    def broken_by(self, obj: Lock) -> str:
+        event = self._facts(obj).broken
+        if event is None:
+            return "never (as far as the audit history goes)"
+        return format_html("by {}, {} (token {})", event.by or "?",
+                           _exact(event.at_us, self._facts(obj).now_us), event.token)
 
     @admin.display(description="history")
     def history(self, obj: Lock) -> str:
-        url = reverse(f"{self.admin_site.name}:distlock_lockevent_changelist")
-        return format_html(
-            '<a href="{}?{}">events of this lock</a>', url, urlencode({"name__exact": obj.name})
-        )
+        site = self.admin_site.name
+        query = urlencode({"name__exact": obj.name})
+        links = [
+            ("distlock-events-link",
+             f"{reverse(f'{site}:distlock_lockevent_changelist')}?{query}",
+             "events of this lock"),
+            ("distlock-timeline-link",
+             f"{reverse(f'{site}:{TIMELINE_URL_NAME}')}?{urlencode({'name': obj.name})}",
+             "its timeline"),
+        ]
+        return format_html_join(" · ", '<a id="{}" href="{}">{}</a>', links)
 
     def history_view(
         self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
@@ -293,9 +491,11 @@ class LockAdmin(NameSearch, _LockAdminBase):
         self, request: HttpRequest, queryset: QuerySet[LockWithState]
     ) -> HttpResponse | None:
         """Show what would be broken; on confirmation break exactly what was shown."""
+        back = self._lock_page_to_return_to(request)
         if request.POST.get("post") == "yes":
             self._break_confirmed(request)
-            return None
+            # From a lock's own page, back to it (it then says who broke it and when).
+            return HttpResponseRedirect(back) if back else None
         rows = list(queryset)
         breakable = [row for row in rows if not row.is_free]
         context = {
@@ -315,10 +515,22 @@ class LockAdmin(NameSearch, _LockAdminBase):
             ],
             "free": [row for row in rows if row.is_free],
             "action_checkbox_name": ACTION_CHECKBOX_NAME,
-            "changelist_url": reverse(f"{self.admin_site.name}:distlock_lock_changelist"),
+            "changelist_url": back
+            or reverse(f"{self.admin_site.name}:distlock_lock_changelist"),
+            "distlock_return": bool(back),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.confirmation_template, context)
+
+    def _lock_page_to_return_to(self, request: HttpRequest) -> str:
+        """The lock's page when the break began there (the Break… button sends
+        ``distlock_return``) and named that one lock; else "" (the list). A lock name,
+        never a URL, comes from the form: nothing can send the user elsewhere."""
+        selected = request.POST.getlist(ACTION_CHECKBOX_NAME)
+        if not request.POST.get("distlock_return") or len(selected) != 1:
+            return ""
+        return reverse(f"{self.admin_site.name}:distlock_lock_change",
+                       args=[quote(selected[0])])
 
     def _parse_expected(self, request: HttpRequest) -> list[tuple[str, str, int]] | None:
         selected = set(request.POST.getlist(ACTION_CHECKBOX_NAME))

@@ -54,7 +54,8 @@ _SURROGATES = range(0xD800, 0xE000)
 
 HELP_TEXT = (
     "The start of a lock name, case-sensitive: “invoice:4” finds invoice:4, invoice:42… "
-    "(the name itself first). “=invoice:4” finds that name only."
+    "(the name itself first). “=invoice:4” finds that name only. A worker's locks: "
+    "“Held by” below."
 )
 EVENTS_HELP_TEXT = (
     "The start of a lock name, case-sensitive: “invoice:4” finds the events of invoice:4, "

@@ -25,12 +25,10 @@ from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
-from django.utils import dateformat, timezone
-from django.utils.html import format_html
+from django.utils import timezone
 from django.utils.http import urlencode
-from django.utils.safestring import SafeString
 
-from distlock.admin.display import cut, precise, short_owner
+from distlock.admin.display import clock, clock_and_relative, cut, precise, short_owner
 from distlock.admin.overview import (
     EVENT_WINDOW,
     EXPIRED_LIMIT,
@@ -41,7 +39,6 @@ from distlock.admin.overview import (
 from distlock.conf import conf
 from distlock.core.status import EXPIRED, HELD, duration, relative
 from distlock.models import LockEvent
-from distlock.times import from_us
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin
@@ -61,27 +58,6 @@ FRAGMENT = "admin/distlock/lock/overview_fragment.html"
 FRAGMENT_HEADER = "X-Distlock-Fragment"
 # One waiting session as the PostgreSQL backend names it (see waiting_sessions).
 _SESSION = re.compile(r"(.+?) pid (\d+)(?:, |\Z)", re.DOTALL)
-
-
-def clock(us: int | None, now_us: int) -> SafeString:
-    """A database-clock time in the site's time zone with the zone shown: "17:37:49 IST",
-    with the date before it when it is not the database clock's today there; to the
-    millisecond on hover. The page's only clock: nothing on it reads the browser's."""
-    if us is None:
-        return SafeString("")
-    local = timezone.localtime(from_us(us))
-    today = timezone.localtime(from_us(now_us)).date()
-    shown = dateformat.format(local, "H:i:s T" if local.date() == today else "Y-m-d H:i:s T")
-    return format_html('<time class="distlock-when" datetime="{}" title="{}">{}</time>',
-                       local.isoformat(), precise(us), shown)
-
-
-def clock_and_relative(us: int | None, now_us: int) -> SafeString:
-    """:func:`clock` on one line and "in 59 min" / "12 s ago" under it."""
-    if us is None:
-        return SafeString("")
-    return format_html('{}<span class="distlock-relative">{}</span>', clock(us, now_us),
-                       relative(us, now_us))
 
 
 def waiting_sessions(who: str) -> list[dict[str, str]]:
