@@ -311,6 +311,9 @@ BEGIN
 END
 $$;
 """,
+    # 0.2's way out of the queue, which distlock no longer calls: kept for a 0.2 client
+    # still running during an upgrade. distlock_leave repeats its steps inside the
+    # handler block that gives back the session locks (docs/waiting.md).
     "distlock_unqueue": """
 CREATE OR REPLACE FUNCTION distlock_unqueue(p_name text) RETURNS void
 LANGUAGE plpgsql VOLATILE AS $$

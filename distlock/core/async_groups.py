@@ -3,6 +3,11 @@
 The same plan, order and guarantees as the sync twins, with each name taken by
 ``aacquire`` (waiting never blocks the event loop). A cancellation while waiting gives
 back the names taken so far (each release shielded) before it goes on.
+
+The loop of :func:`_atake` and the signatures below repeat the sync twins' with
+``await``: Python cannot share one body between a sync and an async loop, and a public
+signature must be written out for help(), IDEs and type checkers. What can be shared is:
+the plan (names checked, ordered and timed once: ``_Plan``), the group, and the release.
 """
 
 from __future__ import annotations

@@ -238,6 +238,8 @@ def _give_back(taken: list[Lease]) -> None:
             lease.release()
 
 
+# acquire_all and lock_all repeat acquire()'s keywords on purpose: a public signature is
+# written out for help(), IDEs and type checkers; the arguments are checked once, in _Plan.
 def acquire_all(
     names: Iterable[str],
     *,
