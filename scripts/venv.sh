@@ -21,7 +21,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     fi
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -e ".[$extras]" ${DJANGO:+"$DJANGO"}
+        -e ".[$extras]" ${DJANGO:+"$DJANGO"} || {
+        # The stamp is written only after a whole install: a failed one (a package that
+        # did not build) is tried again on the next run, not taken as done.
+        echo "pip could not install django-distlock[$extras] into $VENV" >&2
+        return 1
+    }
     echo "$want" > "$stamp"
     echo "  installed; next runs start at once"
 fi
