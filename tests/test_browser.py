@@ -752,3 +752,89 @@ def test_every_text_of_the_pictures_lies_inside_them(
         "renewed",
     ]
     assert several["crosses"] == 1  # the break's mark, once
+
+
+APART = """() => {
+    const svg = document.querySelector("svg.distlock-timeline");
+    const centre = g => {
+        const r = g.querySelector("circle, path").getBoundingClientRect();
+        return r.left + r.width / 2;
+    };
+    const lane = name => svg.querySelector(`g[data-lane="${name}"]`);
+    return {
+        took: [...svg.querySelectorAll('g[data-kind="took_over"]')].map(centre),
+        stale: [...svg.querySelectorAll('g[data-kind="stale_write"]')].map(centre),
+        lanes: [...svg.querySelectorAll("g[data-lane]")].map(g => g.dataset.lane),
+        gone: [...lane("gone").querySelectorAll("g.dl-bar[data-token]")].map(g => ({
+            ended: g.dataset.ended, fill: getComputedStyle(g.querySelector("rect")).fill})),
+        held: getComputedStyle(svg.querySelector(".dl-legend .dl-bar-held rect")).fill,
+        shown: document.querySelector(".distlock-timeline-shown").innerText,
+    };
+}"""
+
+
+def test_an_incident_ten_minutes_old_stays_drawn_apart_beside_two_renewing_locks(
+    chromium, live_server, admin_user, lock_db, settings, admin_shots
+):
+    """A take-over and its refused write, ten minutes old, beside two holders that renewed
+    every 0.3 s since (more events than a picture reads) and a lease that ran out with
+    nobody taking over: the several-locks page draws the take-over and the refused write
+    at least 20 px apart, and the unclaimed lease as expired, not in the held colour."""
+    from django.db.models import F
+
+    from distlock.db import db_now_us
+    from distlock.testing import take_over
+    from distlock.times import expiry_detail, from_us
+    from tests.support.helpers import wait_until
+    from tests.testapp.models import Account
+
+    settings.DISTLOCK_AUDIT = True
+    account = Account.objects.create(balance=1)
+    old = acquire(f"account:{account.pk}", ttl=30, holder="paused-worker")
+    new = take_over(old, ttl=30, holder="next-worker")
+    # The paused holder wakes a moment later, as it would (not in the same millisecond).
+    taken_at = db_now_us("default")
+    wait_until(lambda: db_now_us("default") > taken_at + 500_000, what="half a second")
+    account.balance = 2
+    with pytest.raises(StaleToken):
+        account.save(fence=old)
+    minutes_10 = 600 * 1_000_000
+    LockEvent.objects.filter(name=old.name).update(at_us=F("at_us") - minutes_10)
+    now = db_now_us("default")
+    for name in ("renewing:1", "renewing:2"):
+        lease = acquire(name, ttl=3600, holder=f"{name}-worker")
+        LockEvent.objects.filter(name=name).update(at_us=F("at_us") - minutes_10)
+        LockEvent.objects.bulk_create(
+            LockEvent(at_us=at, kind="renewed", name=name, token=lease.token,
+                      holder=f"{name}-worker", detail=expiry_detail(from_us(at + 3600 * 10**6)))
+            for at in range(now - minutes_10, now, 300_000)
+        )
+    gone = acquire("gone", ttl=0.2, holder="gone-worker")
+    wait_until(lambda: db_now_us("default") > (Lock.objects.get(name="gone").expires_us or 0),
+               timeout=10, what="the unclaimed lease ran out")
+    names = [old.name, "renewing:1", "renewing:2", "gone"]
+    url = (f"{live_server.url}/admin/distlock/lock/timeline/?"
+           + "&".join(f"name={name}" for name in names))
+    page = open_as(chromium, admin_user, url)
+    try:
+        def look(browser: Any, api: Any) -> dict[str, Any]:
+            api.expect(page.locator("svg.distlock-timeline g[data-lane]")).to_have_count(4)
+            page.locator(".distlock-timeline-box").screenshot(
+                path=str(admin_shots / "timeline-incident-10-minutes-later.png"))
+            got = page.evaluate(APART)
+            # The unclaimed lease is now, outside the incident's window: the last 5 minutes.
+            page.goto(url + "&range=5m")
+            api.expect(page.locator("svg.distlock-timeline g[data-lane]")).to_have_count(4)
+            got["gone"] = page.evaluate(APART)["gone"]
+            return got
+
+        got = chromium.run(look)
+    finally:
+        close(chromium, page)
+    assert got["lanes"] == names
+    (took,), (stale,) = got["took"], got["stale"]
+    assert stale - took >= 20, got
+    assert "around the latest incident" in got["shown"], got["shown"]
+    assert got["gone"] and all(bar["ended"] == "expired" for bar in got["gone"]), got
+    assert all(bar["fill"] != got["held"] for bar in got["gone"]), got
+    assert gone.token >= 1 and new.token == old.token + 1

@@ -16,9 +16,9 @@ from django.urls import reverse
 from django.utils.http import urlencode
 
 from distlock import StaleToken, acquire
-from distlock.admin.timeline import Current, build
+from distlock.admin.timeline import Current, build, incident_window
 from distlock.admin.timeline_svg import render
-from distlock.admin.views.timeline import MAX_LOCKS, WINDOW_EVENTS
+from distlock.admin.views.timeline import LOCK_EVENTS, MAX_LOCKS
 from distlock.models import LockEvent
 from distlock.testing import take_over
 from distlock.times import expiry_detail, expiry_in, from_us
@@ -188,6 +188,86 @@ def test_lanes_per_worker_put_each_mark_with_its_grant():
     assert "stale write ACCEPTED" in render(timeline)
 
 
+def test_a_lease_that_ran_out_unclaimed_is_drawn_expired_not_held():
+    """The row still names its owner (nobody took over), but its lease ended: expired."""
+    events = [grant(T0, 3, 2 * S, holder="gone")]
+    row = {"job": Current(3, "owner3", "gone", T0 + 2 * S)}
+    ((bar,),) = [lane.bars for lane in build(events, now_us=T0 + 5 * S, current=row).lanes]
+    assert (bar.ended, bar.end_us) == ("expired", T0 + 2 * S)
+    timeline = build(events, now_us=T0 + 5 * S, current=row)
+    assert timeline.lanes[0].note == "expired: gone (token 3), not taken over"
+    assert [b.get("data-ended") for b in bars(parse(render(timeline)))] == ["expired"]
+    # One microsecond before its end it is held.
+    held = build(events, now_us=T0 + 2 * S - 1, current=row)
+    assert held.lanes[0].bars[0].ended == "held"
+
+
+def story(at_us: int, renewing_until_us: int = 0) -> list[Event]:
+    """The seed's story at ``at_us`` (a 1 s lease taken over at its end, a refused write),
+    and the new holder renewing every 0.3 s until ``renewing_until_us``."""
+    events = [
+        grant(at_us, 7, 1 * S, holder="host:1 paused"),
+        grant(at_us + 1_000_100, 8, 1 * S, kind="took_over", holder="host:2 next"),
+        Event(at_us + 1_500_000, "stale_write", "job", 7, "host:1 paused", "refused"),
+    ]
+    at = at_us + 1_300_000
+    while at < renewing_until_us:
+        events.append(Event(at, "renewed", "job", 8, "host:2 next",
+                            expiry_detail(from_us(at + S))))
+        at += 300_000
+    return events
+
+
+def test_the_incident_window_keeps_the_story_apart_ten_minutes_later():
+    now = T0 + 600 * S
+    events = story(T0, renewing_until_us=now)
+    window = incident_window(events, now)
+    assert window is not None
+    start, end = window
+    assert start < T0 < T0 + 1_500_000 < end < T0 + 3 * S  # the stale grant to the write
+    timeline = build(events, now_us=now, window=window,
+                     current={"job": Current(8, "o", "host:2 next", now + S)})
+    root = parse(render(timeline))
+    (took,) = marks(root, "took_over")
+    (stale,) = marks(root, "stale_write")
+    x_took = float(took.find(f"{SVG}path").get("d").split()[0][1:])
+    x_stale = float(stale.find(f"{SVG}circle").get("cx"))
+    assert x_stale - x_took >= 20 * 4  # 0.5 s of a ~2 s axis: a quarter of 750 px
+    assert len(marks(root, "renewed")) < 10  # only those inside the window
+    # Without the window, ten minutes of renewals squash the story into a few pixels.
+    squashed = parse(render(build(events, now_us=now,
+                                  current={"job": Current(8, "o", "h", now + S)})))
+    (took,) = marks(squashed, "took_over")
+    (stale,) = marks(squashed, "stale_write")
+    assert (float(stale.find(f"{SVG}circle").get("cx"))
+            - float(took.find(f"{SVG}path").get("d").split()[0][1:])) < 20
+
+
+def test_the_incident_window_joins_incidents_a_minute_apart_and_reaches_now_when_near():
+    events = [*story(T0), Event(T0 + 50 * S, "broken", "job", 8, "host:2 next")]
+    start, end = incident_window(events, T0 + 51 * S) or (0, 0)
+    assert start < T0 and end >= T0 + 51 * S  # both incidents, and now (1 s after)
+    later = [*events, Event(T0 + 200 * S, "lost", "job", 9, "h")]
+    start, end = incident_window(later, T0 + 1000 * S) or (0, 0)
+    assert T0 + 190 * S < start < T0 + 200 * S < end < T0 + 210 * S  # the last one only
+    assert incident_window([grant(T0, 1, S)], T0 + S) is None
+    # A take-over alone: the grant it ended (token - 1) is part of the story.
+    taken = [grant(T0, 7, 2 * S), grant(T0 + 2 * S, 8, S, kind="took_over")]
+    start, _ = incident_window(taken, T0 + 1000 * S) or (0, 0)
+    assert start < T0
+
+
+def test_a_window_leaves_out_marks_outside_it_and_cuts_bars_at_its_edges():
+    events = story(T0, renewing_until_us=T0 + 20 * S)
+    timeline = build(events, now_us=T0 + 20 * S, window=(T0 + 5 * S, T0 + 10 * S))
+    (lane,) = timeline.lanes
+    assert all(T0 + 5 * S <= mark.at_us <= T0 + 10 * S for mark in lane.marks)
+    assert [bar.token for bar in lane.bars] == [8]  # token 7 ended before the window
+    assert (timeline.start_us, timeline.end_us) == (T0 + 5 * S, T0 + 10 * S)
+    drawn = bars(parse(render(timeline)))
+    assert float(drawn[0].find(f"{SVG}rect").get("x")) == 210  # cut at the axis' start
+
+
 # -- the admin pages ------------------------------------------------------------------
 
 
@@ -258,12 +338,55 @@ def test_the_picture_reads_a_bounded_window(ops, django_assert_max_num_queries):
 
     now = db_now_us("default")
     LockEvent.objects.bulk_create(
-        LockEvent(at_us=now - (WINDOW_EVENTS + 50 - i) * 1000, kind="acquired", name="busy",
-                  token=i) for i in range(WINDOW_EVENTS + 50)
+        LockEvent(at_us=now - (LOCK_EVENTS + 50 - i) * 1000, kind="acquired", name="busy",
+                  token=i) for i in range(LOCK_EVENTS + 50)
     )
     with django_assert_max_num_queries(8):
         page = ops.get(reverse("admin:distlock_lock_timeline"), {"name": "busy"})
     html = page.content.decode()
-    assert f"the newest {WINDOW_EVENTS} events" in html
+    assert f"busy: its newest {LOCK_EVENTS} events" in html
     tokens = [int(t) for t in re.findall(r'class="dl-bar [^"]*" data-token="(\d+)"', html)]
-    assert len(tokens) == WINDOW_EVENTS and min(tokens) == 50
+    assert len(tokens) == LOCK_EVENTS and min(tokens) == 50
+
+
+def test_an_incident_outlives_the_renewals_of_its_own_and_other_locks(ops):
+    """A real take-over and refused write, then more renewals than a picture reads, on
+    this lock and on two others: the incident is drawn, the caption says what was cut."""
+    from distlock.db import db_now_us
+
+    account = Account.objects.create(balance=1)
+    old = acquire(f"account:{account.pk}", ttl=30, holder="paused")
+    new = take_over(old, ttl=30, holder="next")
+    account.balance = 2
+    with pytest.raises(StaleToken):
+        account.save(fence=old)
+    now = db_now_us("default")
+    LockEvent.objects.bulk_create(
+        LockEvent(at_us=now + i * 1000, kind="renewed", name=name, token=token, holder="r",
+                  detail=expiry_detail(from_us(now + i * 1000 + 30 * S)))
+        for name, token in ((new.name, new.token), ("r1", 1), ("r2", 1))
+        for i in range(1, LOCK_EVENTS + 20)
+    )
+    url = reverse("admin:distlock_lock_timeline")
+    html = ops.get(url, {"name": [new.name, "r1", "r2"]}).content.decode()
+    assert 'data-kind="took_over"' in html and 'data-kind="stale_write"' in html
+    assert "around the latest incident" in html
+    assert f"{new.name}: its newest {LOCK_EVENTS} events, incidents before them kept" in html
+    assert "<strong>the latest incident</strong>" in html
+    assert "range=1h" in html and "lanes=holder" in html
+    hour = ops.get(url, {"name": [new.name, "r1", "r2"], "range": "1h"}).content.decode()
+    assert "Audit history of last hour" in hour and "<strong>last hour</strong>" in hour
+    holders = ops.get(url, {"name": new.name, "lanes": "holder"}).content.decode()
+    lanes = re.findall(r'data-lane="([^"]+)"', holders)  # the renewals go with their grant
+    assert [lane.rsplit(" ", 1)[-1] for lane in lanes] == ["paused", "next"], lanes
+    odd = ops.get(url, {"name": new.name, "range": "<x>", "lanes": "?"})
+    assert odd.status_code == 200
+    assert "<strong>the latest incident</strong>" in odd.content.decode()
+
+
+def test_the_lock_page_links_the_ranges_to_the_timeline_page(ops):
+    acquire("ranged", ttl=30).release()
+    html = ops.get(reverse("admin:distlock_lock_change", args=["ranged"])).content.decode()
+    page = reverse("admin:distlock_lock_timeline")
+    assert f'href="{page}?name=ranged&amp;range=5m"' in html
+    assert "the last 24 hours (no incident in them)" in html

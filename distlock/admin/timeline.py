@@ -27,6 +27,15 @@ from distlock.times import expiry_in
 GRANTS = ("acquired", "took_over")
 #: The demo's own kind for a stale write that nothing refused (its unfenced run).
 STALE_WRITE_ACCEPTED = "stale_write_accepted"
+#: Event kinds that tell an incident: a lease ran out under its holder, was broken or
+#: lost, or a stale write came. Rare beside grants and renewals, and what a picture is for.
+INCIDENTS = ("took_over", "broken", "lost", "stale_write", STALE_WRITE_ACCEPTED)
+#: Incidents at most this far apart are one story (a pause, its take-over, the refused
+#: write when the holder wakes).
+INCIDENT_GAP_US = 60_000_000
+#: How far before an incident its grants' starts are looked for: a stale holder's grant
+#: began a lease before (a 5-minute lease at most, or the picture squashes the incident).
+INCIDENT_REACH_US = 300_000_000
 
 class Event(Protocol):
     """What the builder reads of an event; a LockEvent row has all of it."""
@@ -207,11 +216,19 @@ def _grants_of_one_lock(
             marks.append(_mark(event, _MARK_TEXT.get(kind, kind)))
     if latest is not None and not latest.ended:
         if current is not None and current.owner and current.token == latest.token:
-            latest.ended = "held"
             latest.expires_us = current.expires_us
+            if _running(current.expires_us, now_us):
+                latest.ended = "held"
+            else:  # ran out and nobody took it over: the holder is probably gone
+                latest.close(current.expires_us or latest.start_us, "expired")
         elif latest.expires_us is not None and now_us is not None and latest.expires_us <= now_us:
             latest.close(latest.expires_us, "expired")
     return [grant.bar() for grant in grants.values()], marks
+
+
+def _running(expires_us: int | None, now_us: int | None) -> bool:
+    """Whether a lease is still running at ``now_us`` (unknown clock or end: yes)."""
+    return expires_us is None or now_us is None or expires_us > now_us
 
 
 def _by(event: Event) -> str:
@@ -229,7 +246,7 @@ def build(
     events: Iterable[Event], *, now_us: int | None = None,
     current: dict[str, Current] | None = None, names: Sequence[str] = (),
     lane_of: Callable[[Bar], str] | None = None, title: str = "",
-    notes: Sequence[str] = (),
+    notes: Sequence[str] = (), window: tuple[int, int] | None = None,
 ) -> Timeline:
     """The timeline of ``events`` (any order; several locks allowed).
 
@@ -237,7 +254,9 @@ def build(
     ``lane_of`` one lane per key it gives each grant (the demo: per worker), ordered by
     first grant, a mark going to the lane of its grant. ``current`` (lock rows by name)
     marks the grant still held and its expiry; ``now_us`` (the database clock) ends the
-    axis and is drawn as a line.
+    axis and is drawn as a line. ``window`` (start, end) fixes the axis: marks outside it
+    are left out and bars are cut at its edges, so a chosen range is drawn at full width
+    however much history lies around it.
     """
     ordered = sorted(events, key=lambda e: (e.at_us, getattr(e, "id", 0) or 0))
     by_name: dict[str, list[Event]] = {}
@@ -250,6 +269,10 @@ def build(
         got_bars, got_marks = _grants_of_one_lock(of_lock, current.get(name), now_us)
         bars += got_bars
         marks += got_marks
+    if window is not None:
+        first, last = window
+        marks = [mark for mark in marks if first <= mark.at_us <= last]
+        bars = [bar for bar in bars if bar.start_us <= last and _reach(bar) >= first]
     keyed = lane_of or (lambda bar: bar.name)
     bars = [replace(bar, lane=keyed(bar)) for bar in bars]
     lane_of_grant = {(bar.name, bar.token): bar.lane for bar in bars}
@@ -268,11 +291,11 @@ def build(
             tuple(sorted((b for b in bars if b.lane == key),
                          key=lambda b: (b.start_us, b.token or 0))),
             tuple(sorted((m for m in marks if m.lane == key), key=lambda m: m.at_us)),
-            _note(current.get(key)) if lane_of is None else "",
+            _note(current.get(key), now_us) if lane_of is None else "",
         )
         for key in keys
     )
-    start, end = _span(bars, marks, now_us)
+    start, end = window if window is not None else _span(bars, marks, now_us)
     return Timeline(lanes, start, end, now_us, title, tuple(notes))
 
 
@@ -280,12 +303,53 @@ def _start(item: Bar | Mark) -> int:
     return item.start_us if isinstance(item, Bar) else item.at_us
 
 
-def _note(row: Current | None) -> str:
+def _reach(bar: Bar) -> int:
+    """The last moment a bar covers (an open one: for ever)."""
+    if bar.end_us is None:
+        return 2**62
+    return max(bar.end_us, bar.acted_until_us or bar.end_us)
+
+
+def _note(row: Current | None, now_us: int | None = None) -> str:
     if row is None:
         return ""
     if not row.owner:
         return f"free (last token {row.token})"
+    if not _running(row.expires_us, now_us):
+        return f"expired: {row.holder or row.owner} (token {row.token}), not taken over"
     return f"held by {row.holder or row.owner} (token {row.token})"
+
+
+def incident_window(events: Iterable[Event], now_us: int | None = None) -> tuple[int, int] | None:
+    """The axis around the latest incident of ``events``, or None when there is none.
+
+    The latest incident and those before it no more than :data:`INCIDENT_GAP_US` apart
+    are one story; the window starts at the earliest grant that story concerns (the
+    stale holder's, and the one a take-over ended: token - 1) if it began no more than
+    :data:`INCIDENT_REACH_US` before, and reaches now when now is closer than the story
+    is long. Chosen so that ten minutes, or a day, after a pause its take-over and refused
+    write are still drawn apart, not piled at the left of a linear axis.
+    """
+    listed = sorted(events, key=lambda e: e.at_us)
+    story = [e for e in listed if e.kind in INCIDENTS]
+    if not story:
+        return None
+    last = first = story[-1].at_us
+    for event in reversed(story):
+        if first - event.at_us > INCIDENT_GAP_US:
+            break
+        first = event.at_us
+    concerned = {(e.name, e.token) for e in story if e.at_us >= first}
+    concerned |= {(e.name, e.token - 1) for e in story
+                  if e.at_us >= first and e.kind == "took_over" and e.token is not None}
+    starts = [e.at_us for e in listed if e.kind in GRANTS and (e.name, e.token) in concerned
+              and first - INCIDENT_REACH_US <= e.at_us <= first]
+    start = min([first, *starts])
+    span = max(last - start, 1_000_000)
+    if now_us is not None and last < now_us <= last + span:
+        last = now_us
+    pad = max((last - start) // 8, 250_000)
+    return start - pad, last + pad
 
 
 def _span(bars: list[Bar], marks: list[Mark], now_us: int | None) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, tzinfo
 from html import escape
 
+from distlock.admin.display import elide
 from distlock.admin.timeline import STALE_WRITE_ACCEPTED, Bar, Lane, Mark, Timeline
 from distlock.times import from_us
 
@@ -31,7 +32,7 @@ CHAR_W, WIDE_CHAR_W = 7.0, 9.0
 
 _STYLE = """
 .distlock-timeline{color:var(--body-fg,currentColor);font:11px/1.2 var(--font-family-primary,
- system-ui,sans-serif);max-width:100%;height:auto}
+ system-ui,sans-serif);width:100%;min-width:760px;max-width:960px;height:auto}
 .distlock-timeline text{fill:currentColor}
 .distlock-timeline .dl-quiet{fill:var(--body-quiet-color,currentColor);opacity:.8}
 .distlock-timeline .dl-grid{stroke:var(--border-color,currentColor);stroke-opacity:.6}
@@ -62,10 +63,6 @@ _STEPS = [
 
 def _a(value: object) -> str:
     return escape(str(value), quote=True)
-
-
-def _short(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _text_w(text: str) -> float:
@@ -177,12 +174,12 @@ def _lane(axis: _Axis, lane: Lane, y: int, tz: tzinfo) -> list[str]:
         f'<g class="dl-lane-row" data-lane="{_a(lane.key)}">'
         f'<rect class="dl-lane" x="0" y="{y + 2}" width="{WIDTH}" height="{LANE_H - 4}"/>'
         f'<text x="6" y="{mid - (5 if lane.note else 0)}" font-weight="600">'
-        f"<title>{_a(lane.key)}</title>{_a(_short(lane.key, 30))}</text>"
+        f"<title>{_a(lane.key)}</title>{_a(elide(lane.key, 30))}</text>"
     ]
     if lane.note:
         out.append(
             f'<text x="6" y="{mid + 9}" class="dl-quiet"><title>{_a(lane.note)}</title>'
-            f"{_a(_short(lane.note, 36))}</text>"
+            f"{_a(elide(lane.note, 36))}</text>"
         )
     bar_y = y + (LANE_H - BAR_H) // 2
     free_x = 0.0  # where the next token written above a narrow bar may start

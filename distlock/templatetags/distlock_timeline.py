@@ -32,5 +32,7 @@ def lock_timeline(context: template.Context, lock: Lock | None) -> SafeString | 
         '<h2 class="fieldset-heading">Timeline</h2>{}'
         '<p class="help"><a href="{}">Open on its own page</a> (add more <code>name=</code> '
         "to compare locks on one time axis).</p></fieldset>",
-        picture([lock.name], conf.database(), label=f"timeline of lock {lock.name}"), url,
+        picture([lock.name], conf.database(), label=f"timeline of lock {lock.name}",
+                page_url=reverse(f"{site}:{URL_NAME}")),
+        url,
     )
