@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The database-wide gauges' cost (distlock.contrib.prometheus.gauges): the collector's
-queries at 1,000 and 1,000,000 lock rows, what each Prometheus scrape adds (issue 34).
+queries at 1,000 and 1,000,000 lock rows, what each Prometheus scrape adds (issue 34);
+and lock_status() of one name on the same tables (issue 29).
 
     python benchmarks/gauges.py                       # PostgreSQL and SQLite
     python benchmarks/gauges.py --backends sqlite --repeat 50
@@ -82,6 +83,29 @@ def time_reads(db_alias: str, repeat: int) -> tuple[float, float, tuple[int, int
     return statistics.median(times), max(times), found
 
 
+#: lock_status() of a held, an expired, a free and an unknown name (issue 29: "is it
+#: locked, by whom, until when, who waits", at a million rows).
+STATUS_NAMES = {"held": "fill:0000001", "expired": "fill:0000002", "free": "fill:0000003",
+                "no row": "absent"}
+
+
+def time_status(db_alias: str, repeat: int) -> dict[str, float]:
+    """Median ms of ``repeat`` lock_status() calls per kind of name, after two warm-ups."""
+    from distlock import lock_status
+
+    medians = {}
+    for kind, name in STATUS_NAMES.items():
+        times = []
+        for i in range(repeat + 2):
+            started = time.perf_counter()
+            status = lock_status(name, using=db_alias)
+            if i >= 2:
+                times.append((time.perf_counter() - started) * 1000)
+        assert (status.state == "free") == (kind in ("free", "no row")), (kind, status)
+        medians[kind] = statistics.median(times)
+    return medians
+
+
 def drop_pg(name: str) -> None:
     import psycopg
 
@@ -115,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.repeat} reads, ms\n\n"
               "| backend | rows | median ms | max ms | held | expired | waiting |\n"
               "|---|---:|---:|---:|---:|---:|---:|")
+        statuses = {}
         try:
             for backend in backends:
                 for size in sizes:
@@ -125,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"| {backend} | {size:,} | {median:.2f} | {top:.2f} | {held_n} | "
                           f"{expired_n} | {'absent' if waiting is None else waiting} |",
                           flush=True)
+                    statuses[(backend, size)] = time_status(db_alias, args.repeat)
+            print("\n## lock_status() of one name, median ms\n\n| backend | rows | "
+                  + " | ".join(STATUS_NAMES) + " |\n|---|---:|" + "---:|" * len(STATUS_NAMES))
+            for (backend, size), medians in statuses.items():
+                print(f"| {backend} | {size:,} | "
+                      + " | ".join(f"{ms:.2f}" for ms in medians.values()) + " |")
         finally:
             connections.close_all()
             if "postgresql" in backends and not args.keep:

@@ -318,3 +318,85 @@ def test_async_fenced_write_and_nesting():
     account.refresh_from_db()
     assert account.balance == 5
     assert held_names() == set()
+
+
+# -- seams: a killed holder, auto-renewal, the decorator, the session's own timeouts ------
+
+
+@pytest.mark.processes
+def test_a_killed_holder_of_a_member_is_waited_out_and_its_name_granted_above_its_token(
+    children,
+):
+    """The holder of b dies (SIGKILL) without releasing: the group waits for its lease to
+    end by the database clock, never before, then holds a and b, b with the next token."""
+    holder = children.start("hold", "b", 1.0)
+    killed = holder.expect("acquired", timeout=60)
+    holder.kill()
+    group = acquire_all(["b", "a"], ttl=30, timeout=30)
+    assert group is not None
+    assert group["b"].token == killed["token"] + 1
+    row = Lock.objects.get(name="b")
+    assert row.acquired_us >= killed["expires_us"], "granted before the dead lease ended"
+    assert group.release() is True
+
+
+def test_auto_renew_keeps_every_member_past_its_ttl():
+    with lock_all(["r:a", "r:b"], ttl=1, timeout=5, auto_renew=True) as group:
+        wait_until(
+            lambda: all(row.renew_count >= 2 for row in Lock.objects.filter(name__in=group)),
+            timeout=10, what="both members renewed twice",
+        )
+        assert not group.lost and group.remaining() > 0
+        rows = {row.name: row for row in Lock.objects.filter(name__in=group)}
+        assert {name: rows[name].token for name in group} == group.tokens
+    assert held_names() == set()
+
+
+def test_the_decorator_holds_the_group_for_each_call_and_gives_it_back():
+    seen: list[set[str]] = []
+
+    @lock_all(["d:b", "d:a"], ttl=30, timeout=5)
+    def work(n: int) -> int:
+        seen.append(held_names())
+        return n + 1
+
+    assert work(1) == 2 and work(2) == 3
+    assert seen == [{"d:a", "d:b"}, {"d:a", "d:b"}]
+    assert held_names() == set()
+
+
+SHORT_STATEMENTS = {
+    "postgresql": ("SET statement_timeout = '50ms'", "RESET statement_timeout"),
+    "mysql": ("SET SESSION max_statement_time = 0.05", "SET SESSION max_statement_time = 0"),
+}
+
+
+def test_a_session_statement_timeout_shorter_than_the_wait_still_ends_in_lock_timeout(
+    children,
+):
+    """The caller's own statement timeout (50 ms) is shorter than the group's wait (1 s)
+    for a busy member: the wait is distlock's, not one long statement, so the group ends
+    in LockTimeout naming the busy name, holding nothing, the session usable."""
+    from django.db import connection
+
+    if connection.vendor not in SHORT_STATEMENTS:
+        pytest.skip("a session statement timeout: PostgreSQL and MariaDB")
+    short, back = SHORT_STATEMENTS[connection.vendor]
+    holder = children.start("hold", "busy", 60.0)
+    holder.expect("acquired", timeout=60)
+    with connection.cursor() as cursor:
+        cursor.execute(short)
+    try:
+        with pytest.raises(LockTimeout) as caught, lock_all(["free", "busy"], ttl=30,
+                                                            timeout=1):
+            pass
+        assert caught.value.name == "busy"
+        assert held_names() == {"busy"}
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            assert cursor.fetchone() == (1,)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(back)
+    holder.send("release")
+    holder.expect("released")
