@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from distlock.constants import RARE_KINDS
 from distlock.times import expiry_in
 
 #: Event kinds that start a grant (see LockEvent.Kind).
@@ -28,8 +29,9 @@ GRANTS = ("acquired", "took_over")
 #: The demo's own kind for a stale write that nothing refused (its unfenced run).
 STALE_WRITE_ACCEPTED = "stale_write_accepted"
 #: Event kinds that tell an incident: a lease ran out under its holder, was broken or
-#: lost, or a stale write came. Rare beside grants and renewals, and what a picture is for.
-INCIDENTS = ("took_over", "broken", "lost", "stale_write", STALE_WRITE_ACCEPTED)
+#: lost, or a stale write came (the audit's rare kinds, and the demo's accepted stale
+#: write). Rare beside grants and renewals, and what a picture is for.
+INCIDENTS = (*RARE_KINDS, STALE_WRITE_ACCEPTED)
 #: Incidents at most this far apart are one story (a pause, its take-over, the refused
 #: write when the holder wakes).
 INCIDENT_GAP_US = 60_000_000

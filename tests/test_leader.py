@@ -1,0 +1,155 @@
+"""distlock.leader: elections whose term is the lease's fencing token."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from typing import Any
+
+import pytest
+
+from distlock import break_lock
+from distlock.leader import Term, aelect, elect, run_as_leader
+from distlock.models import Lock
+from tests.factories import AccountFactory
+from tests.support.helpers import run_async, start_thread, wait_until
+
+pytestmark = pytest.mark.usefixtures("lock_db")
+
+LEADER = "tests.support.leader_workers:campaign"
+
+
+@pytest.mark.processes
+def test_a_killed_leader_is_followed_by_the_next_term_after_its_lease_ends(children):
+    account = AccountFactory()
+    first = children.start(LEADER, account.pk, 1.0, True)
+    a = first.expect("elected", timeout=60)
+    first.expect("wrote")
+    second = children.start(LEADER, account.pk, 1.0, True)
+    first.kill()
+    b = second.expect("elected", timeout=30)
+    second.expect("wrote")
+    assert b["term"] == a["term"] + 1
+    row = Lock.objects.get(name=f"account:{account.pk}")
+    # B's grant came after A's last lease ended (A renewed every third of its ttl, so
+    # its lease ran past the moment of its first grant by at least its ttl).
+    assert b["acquired_us"] >= a["expires_us"]
+    account.refresh_from_db()
+    assert account.note == f"term {b['term']}" and row.token == b["term"]
+
+
+@pytest.mark.processes
+def test_a_paused_leader_that_keeps_writing_is_refused_and_told_it_lost(children):
+    """The seed's pause, for an election: the leader is SIGSTOPped past its ttl, the next
+    term is elected and writes; the old leader wakes mid-loop, its next fenced write is
+    refused, its loop ends, on_lost is called with its term, and it campaigns again."""
+    account = AccountFactory()
+    first = children.start(LEADER, account.pk, 1.0, False)
+    a = first.expect("elected", timeout=60)
+    first.expect("wrote")
+    first.signal(signal.SIGSTOP)
+    second = children.start(LEADER, account.pk, 1.0, True)
+    b = second.expect("elected", timeout=30)
+    second.expect("wrote")
+    first.signal(signal.SIGCONT)
+    assert first.expect("lost", timeout=30)["term"] == a["term"]
+    assert b["term"] == a["term"] + 1
+    account.refresh_from_db()
+    assert account.note == f"term {b['term']}", "the deposed leader's write went through"
+    assert Lock.objects.get(name=f"account:{account.pk}").token == b["term"]
+
+
+def test_run_as_leader_resigns_when_the_loop_returns_and_reports_its_term():
+    account = AccountFactory()
+    seen: list[Any] = []
+    stop = threading.Event()  # set on a loss, so a wrong campaign ends after one round
+
+    def loop(term: Term) -> None:
+        seen.append(("loop", term.token, term.active))
+        account.save(fence=term.lease)
+
+    run_as_leader(account.get_fence_name(), loop, ttl=30, stop=stop,
+                  on_elected=lambda term: seen.append(("elected", term.token)),
+                  on_lost=lambda term: (seen.append(("lost", term.token)), stop.set()))
+    row = Lock.objects.get(name=account.get_fence_name())
+    assert seen == [("elected", row.token), ("loop", row.token, True)]
+    assert row.owner == "", "the leader did not step down"
+
+
+def test_stop_ends_the_campaign_and_a_sleeping_loop_without_calling_on_lost():
+    stop = threading.Event()
+    rounds: list[int] = []
+    lost: list[int] = []
+
+    def loop(term: Term) -> None:
+        while term.sleep(30):
+            rounds.append(term.token)
+
+    thread = start_thread(lambda: run_as_leader("stopped", loop, ttl=30, stop=stop,
+                                                on_lost=lambda t: lost.append(t.token)))
+    wait_until(lambda: Lock.objects.filter(name="stopped").exclude(owner="").exists(),
+               what="elected")
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive(), "stop did not end the campaign"
+    assert rounds == [] and lost == []
+    assert Lock.objects.get(name="stopped").owner == ""
+
+
+def test_a_broken_term_ends_its_loop_and_the_campaign_elects_the_next_term():
+    """An operator breaks the leader's lock: its next renewal fails, its sleep returns
+    False, on_lost gets the term, and the next campaign round is elected with term + 1."""
+    terms: list[int] = []
+    lost: list[int] = []
+    stop = threading.Event()
+
+    def loop(term: Term) -> None:
+        terms.append(term.token)
+        if len(terms) == 2:
+            return  # the second term: done
+        while term.sleep(5):
+            pass
+
+    thread = start_thread(lambda: run_as_leader("broken", loop, ttl=1, stop=stop,
+                                                on_lost=lambda t: lost.append(t.token)))
+    try:
+        wait_until(lambda: terms, what="elected")
+        assert break_lock("broken", by="test") is True
+        thread.join(20)
+        assert not thread.is_alive()
+    finally:
+        stop.set()
+    assert terms == [terms[0], terms[0] + 1] and lost == [terms[0]]
+
+
+def test_elect_returns_none_while_another_leads_and_a_resigned_term_is_over():
+    term = elect("solo", ttl=30)
+    assert term is not None and term.active and term.token == term.lease.token
+    assert elect("solo", ttl=30, timeout=0) is None
+    assert term.resign() is True
+    assert not term.active and not term.sleep(1) and not term.lost
+    again = elect("solo", ttl=30, timeout=0)
+    assert again is not None and again.token == term.token + 1
+    account = AccountFactory()
+    with pytest.raises(ValueError, match="guarded by lock 'account:"):
+        account.save(fence=again.lease)  # a term fences only its own election's rows
+    again.resign()
+
+
+def test_aelect_renews_in_the_event_loop_until_resigned():
+    async def main() -> tuple[int, int, bool]:
+        term = await aelect("async-leader", ttl=1)
+        assert term is not None
+        start = term.token
+        row = await Lock.objects.aget(name="async-leader")
+        while row.renew_count < 2:
+            await asyncio.sleep(0.05)
+            row = await Lock.objects.aget(name="async-leader")
+        active = term.active
+        await term.aresign()
+        return start, row.token, active
+
+    start, token, active = run_async(main, seconds=30)
+    assert start == token and active
+    assert Lock.objects.get(name="async-leader").owner == ""
