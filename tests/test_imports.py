@@ -159,7 +159,7 @@ RINGS = [
     {"waiting"},
     {"core"},
     {"fencing"},
-    {"admin", "integrations", "ops", "contrib", "checks", "testing"},
+    {"admin", "integrations", "ops", "contrib", "checks", "testing", "leader"},
     {"management", "templatetags", "apps", "celery", "tasks", "distlock"},
 ]
 # Arrows allowed outwards, each for a reason given here.
