@@ -17,6 +17,9 @@ SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "distlock-demo-not-secret")
 DEBUG = True
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
 USE_TZ = True
+# The zone of the demo's report (demo_project/bank/report.py, ZONE: UTC), so the admin
+# and the report show one clock; without it the admin showed Django's default, Chicago.
+TIME_ZONE = "UTC"
 
 
 def database_from_url(url: str) -> dict[str, object]:

@@ -45,5 +45,10 @@ def expiry_in(detail: str) -> int | None:
         return None
     if moment.tzinfo is None:
         return None
+    return to_us(moment)
+
+
+def to_us(moment: datetime) -> int:
+    """An aware datetime in epoch microseconds, exactly (no float on the way)."""
     delta = moment - EPOCH
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds

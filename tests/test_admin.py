@@ -29,6 +29,7 @@ from distlock.core.status import EXPIRED, FREE, HELD, STATES, locks, state_is
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
 from distlock.ops.audit import record
+from distlock.times import from_us
 from tests.support.helpers import expired_lock
 
 pytestmark = pytest.mark.usefixtures("lock_db")
@@ -566,7 +567,7 @@ def test_event_list_columns(su_client, events):
     # To the second in the list, to the millisecond (and the zone) on hover.
     assert re.search(r'field-at"[^>]*><a [^>]*><time class="distlock-when" datetime="[^"]+" '
                      r'title="\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \w+">'
-                     r"\d\d:\d\d:\d\d</time>", html)
+                     r"\d\d:\d\d:\d\d \w+</time>", html)
     assert "released" in html and "expires " in html  # detail of the renewal
 
 
@@ -811,7 +812,50 @@ def test_stale_writes_say_why_and_by_their_label(su_client, settings):
     page = su_client.get(reverse("admin:distlock_lockevent_change", args=[event.pk]))
     heading = f"{event.name}: stale write refused (token {event.token})"
     assert f"<h2>{heading}</h2>" in page.content.decode()
-    assert f"&rsaquo; {heading}\n</div>" in page.content.decode()
+    # The last crumb, in the running Django's breadcrumb markup (distlock_breadcrumbs).
+    assert crumbs(page)[-1] == heading
+
+
+def crumbs(response) -> list[str]:
+    """The texts of a page's breadcrumbs, after checking that they are written as the
+    running Django's admin writes its own: a ``div`` up to 6.0, an ``ol`` from 6.1."""
+    import django
+
+    from distlock.templatetags import distlock_admin
+
+    html = response.content.decode()
+    found = re.search(r'<(div|ol) class="breadcrumbs">(.*?)</\1>', html, re.S)
+    assert found is not None, "no breadcrumbs"
+    listed = django.VERSION[:2] >= distlock_admin.LISTED_FROM
+    assert found.group(1) == ("ol" if listed else "div"), found.group(0)
+    inner = found.group(2)
+    parts = (re.findall(r"<li[^>]*>(.*?)</li>", inner, re.S) if listed
+             else inner.split("&rsaquo;"))
+    return [unescape(re.sub(r"<[^>]+>", "", part)).strip() for part in parts]
+
+
+@pytest.mark.parametrize("listed", [False, True], ids=["div", "ol"])
+def test_event_pages_write_the_running_djangos_breadcrumbs(
+    su_client, events, monkeypatch, listed
+):
+    """Issue 34: an event's page and its history wrote ``<div class="breadcrumbs">`` by
+    hand, which Django 6.1's stylesheet no longer styles; they take the markup of the
+    running Django from ``{% distlock_breadcrumbs %}`` as distlock's other pages do (the
+    ``ol`` is forced here on any Django)."""
+    import django
+
+    from distlock.templatetags import distlock_admin
+
+    monkeypatch.setattr(distlock_admin, "LISTED_FROM",
+                        (0, 0) if listed else (django.VERSION[0] + 1, 0))
+    event = LockEvent.objects.get(kind="broken")
+    heading = f"{event.name}: broken (token {event.token})"
+    page = su_client.get(reverse("admin:distlock_lockevent_change", args=[event.pk]))
+    assert crumbs(page) == ["Home", "Distributed locks", "Lock events", heading]
+    history = su_client.get(reverse("admin:distlock_lockevent_history", args=[event.pk]))
+    assert crumbs(history) == ["Home", "Distributed locks", "Lock events", heading, "History"]
+    event_url = reverse("admin:distlock_lockevent_change", args=[event.pk])
+    assert f'<a href="{event_url}">{heading}</a>' in history.content.decode()
 
 
 def test_event_search_of_a_common_prefix_walks_time_back_on_sqlite(su_client, monkeypatch):
@@ -962,6 +1006,72 @@ def test_lock_page_times_to_the_millisecond_in_the_site_time_zone(su_client, set
     stamp = f"{local:%Y-%m-%d %H:%M:%S}.{local.microsecond // 1000:03d} IST"
     assert stamp in html.decode()
     assert re.search(r"\(in (2\d|30) s\)", html.decode())
+
+
+# A time as the audit stores it in a detail: UTC ISO 8601 with microseconds.
+RAW_ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00")
+
+
+def test_event_details_show_their_times_in_the_site_zone(su_client, settings):
+    """Issue 34: a renewal's detail read "expires 2026-12-03T12:07:49.920824+00:00" on an
+    IST site (a renewal at 17:37 IST "expired" at 12:07). The list, its tooltips and the
+    event's page show it in the site's zone with the zone; the stored detail, the
+    record, stays as the audit wrote it."""
+    from distlock.times import expiry_in
+
+    settings.TIME_ZONE = "Asia/Kolkata"
+    settings.DISTLOCK_AUDIT = True
+    lease = acquire("zone:detail", ttl=600)
+    lease.renew(ttl=600)
+    event = LockEvent.objects.get(name="zone:detail", kind="renewed")
+    assert RAW_ISO.search(event.detail) and expiry_in(event.detail) is not None
+    ends = localtime(from_us(expiry_in(event.detail)))
+    second = f"{ends:%H:%M:%S} IST"
+    exact = f"{ends:%Y-%m-%d %H:%M:%S}.{ends.microsecond // 1000:03d} IST"
+
+    html = su_client.get(reverse(EVENTS), {"kind": "renewed"}).content.decode()
+    cell = re.search(r'<td class="field-detail_cut"><span [^>]*title="([^"]*)">([^<]*)</span>',
+                     html)
+    # Today in IST by the database clock: the time of day, the zone after it.
+    date = "" if ends.date() == localtime(from_us(db_now_us("default"))).date() \
+        else f"{ends:%Y-%m-%d} "
+    assert cell.group(2) == f"expires {date}{second}"
+    assert cell.group(1) == f"expires {exact}"  # to the millisecond on hover
+    assert re.search(r'field-at"[^>]*><a [^>]*><time [^>]*>[^<]* IST</time>', html)
+    assert not RAW_ISO.search(html)
+
+    page = su_client.get(reverse("admin:distlock_lockevent_change", args=[event.pk]))
+    shown = field(page, "detail_shown")
+    assert f"expires {exact}" in shown and not RAW_ISO.search(page.content.decode())
+    assert re.search(r"\d\d:\d\d:\d\d\.\d{3} IST \((now|\d+ s ago)\)", field(page, "at_precise"))
+    event.refresh_from_db()
+    assert RAW_ISO.search(event.detail)  # the record is left as it was written
+
+
+def test_details_keep_text_that_is_not_a_time():
+    from distlock.admin.display import detail_html, detail_text
+
+    now = 1_780_000_000_000_000
+    for text in ("", "lock released", "row token 2026-13-45T99:99:99+00:00 is not a time",
+                 "<b>held</b> by a & b"):
+        assert detail_text(text, now) == text
+    assert str(detail_html("<b>x</b>", now)) == "&lt;b&gt;x&lt;/b&gt;"
+
+
+def test_the_break_page_shows_times_in_the_site_zone_with_how_soon(su_client, settings):
+    """Issue 34: the confirmation said "in 10 min" with no time; its times are the
+    database clock's, in the site's zone with the zone, and how soon beside them."""
+    settings.TIME_ZONE = "Asia/Kolkata"
+    lease = acquire("zone:break", ttl=600)
+    page = post_action(su_client, ["zone:break"]).content.decode()
+    table = re.search(r'<table id="distlock-break-list">.*?</table>', page, re.S).group(0)
+    ends = localtime(lease.expires_at)
+    assert re.search(rf"{ends:%H:%M:%S} IST</time> <span [^>]*>\(in (9|10) min\)</span>",
+                     table), table
+    begun = localtime(lease.acquired_at)
+    assert f"{begun:%H:%M:%S} IST</time>" in table
+    assert "time zone Asia/Kolkata" in page
+    assert Lock.objects.get(name="zone:break").owner == lease.owner  # only shown
 
 
 def break_button(response) -> str | None:

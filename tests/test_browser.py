@@ -838,3 +838,103 @@ def test_an_incident_ten_minutes_old_stays_drawn_apart_beside_two_renewing_locks
     assert got["gone"] and all(bar["ended"] == "expired" for bar in got["gone"]), got
     assert all(bar["fill"] != got["held"] for bar in got["gone"]), got
     assert gone.token >= 1 and new.token == old.token + 1
+
+
+# --- one clock: every time on every page in the site's zone, the zone shown ------------
+
+# Every clock time a page shows (its text and its tooltips), outside the timeline's
+# picture (its axis is the timeline's own business: distlock/admin/timeline_svg.py).
+SHOWN_TIMES = r"""() => {
+    const root = document.querySelector("#content") || document.body;
+    const skip = el => el.closest("#distlock-timeline, svg, script, style");
+    const texts = [];
+    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    let line = [];
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        if (!skip(node.parentElement)) line.push(node.data);
+    }
+    texts.push(line.join(" "));
+    for (const el of root.querySelectorAll("[title]")) {
+        if (!skip(el)) texts.push(el.getAttribute("title"));
+    }
+    const times = [];
+    const raw = [];
+    for (const text of texts) {
+        const flat = text.replace(/\s+/g, " ");
+        for (const m of flat.matchAll(/\b\d\d:\d\d:\d\d(?:\.\d{3})?\b(?: [A-Z][A-Za-z]*\b)?/g)) {
+            times.push(m[0]);
+        }
+        for (const m of flat.matchAll(/\d{4}-\d\d-\d\dT\d\d:\d\d[^ ]*/g)) raw.push(m[0]);
+    }
+    return {times, raw};
+}"""
+
+
+@pytest.fixture
+def zoned_site(lock_db, settings) -> dict[str, Any]:
+    """An IST site (+05:30, so a UTC or a naive time shows) with a held and renewed lock,
+    one taken over (its detail carries an expiry), an expired one and a refused write."""
+    from distlock.testing import take_over
+
+    settings.TIME_ZONE = "Asia/Kolkata"
+    settings.DISTLOCK_AUDIT = True
+    held = acquire("zone:held", ttl=600, holder="zone-worker")
+    held.renew(ttl=600)
+    old = acquire("zone:taken", ttl=30, holder="paused-worker")
+    take_over(old, ttl=600, holder="next-worker")
+    record("stale_write", name="zone:taken", using="default", token=old.token,
+           owner=old.owner, holder="paused-worker",
+           detail="write with token 1 refused: lock now at token 2 (shop.Account; row token 2)")
+    expired_lock("zone:expired", holder="gone-worker")
+    renewal = LockEvent.objects.get(name="zone:held", kind="renewed")
+    return {"held": held, "renewal": renewal.pk}
+
+
+def test_every_time_on_every_page_carries_the_site_zone(
+    chromium, live_server, admin_user, zoned_site
+):
+    """Issue 34, one clock: under TIME_ZONE="Asia/Kolkata" the Locks list, a lock's page,
+    the events list, an event's page, the break confirmation and the overview show every
+    time (text and tooltips) in IST with the zone written, never an audit detail's raw
+    UTC ISO; a screenshot of each page."""
+    shots = Path(settings.BASE_DIR) / "artifacts" / "browser" / connection.vendor / "zone"
+    shots.mkdir(parents=True, exist_ok=True)
+    admin = f"{live_server.url}/admin/distlock"
+    pages = [
+        ("locks", f"{admin}/lock/", "#result_list"),
+        ("lock-page", f"{admin}/lock/zone:held/change/", ".field-expires_at"),
+        ("events", f"{admin}/lockevent/?kind=all", "#result_list"),
+        ("event-page", f"{admin}/lockevent/{zoned_site['renewal']}/change/",
+         ".field-detail_shown"),
+        ("break", None, "#distlock-break-list"),
+        ("overview", f"{admin}/lock/overview/", ".distlock-held-row"),
+    ]
+    page = open_as(chromium, admin_user, pages[0][1])
+    try:
+        def visit(browser: Any, api: Any) -> dict[str, dict[str, list[str]]]:
+            got = {}
+            for n, (name, url, ready) in enumerate(pages, 1):
+                if name == "break":
+                    page.goto(f"{admin}/lock/zone:held/change/")
+                    page.click("#distlock-break-button")
+                    api.expect(page.locator("h1")).to_have_text("Break locks?")
+                else:
+                    page.goto(url)
+                api.expect(page.locator(ready).first).to_be_visible()
+                got[name] = page.evaluate(SHOWN_TIMES)
+                page.screenshot(path=str(shots / f"{n:02}-{name}.png"), full_page=True)
+            return got
+
+        got = chromium.run(visit)
+    finally:
+        close(chromium, page)
+    for name, shown in got.items():
+        assert shown["raw"] == [], (name, shown["raw"])
+        assert shown["times"], f"{name}: no time found on the page"
+        unzoned = [time for time in shown["times"] if not time.endswith(" IST")]
+        assert unzoned == [], (name, unzoned, shown["times"])
+    # The details with an expiry (the renewal's, the take-over's) were read in IST.
+    assert any(t.endswith(" IST") and "." in t for t in got["event-page"]["times"])
+    assert Lock.objects.get(name="zone:held").owner == zoned_site["held"].owner  # not broken
+    assert sorted(p.name for p in shots.glob("*.png")) == [
+        f"{n:02}-{name}.png" for n, (name, _, _) in enumerate(pages, 1)]

@@ -305,3 +305,16 @@ def test_workers_binding_at_once_all_see_a_whole_exchange_table(tmp_path):
         assert proc.returncode == 0, err
     table = json.loads((tmp_path / "control" / "race.exchange").read_text())
     assert sorted(entry[2] for entry in table) == [f"q{i}" for i in range(8)]
+
+
+def test_the_demos_admin_and_report_show_one_zone():
+    """Issue 34: the demo's project had no TIME_ZONE, so its admin showed Chicago (Django's
+    default) while its report said UTC; both are the report's zone now."""
+    import importlib
+
+    from demo_project.bank import report
+
+    demo_settings = importlib.import_module("demo_project.settings")
+    assert demo_settings.TIME_ZONE == str(report.ZONE) == "UTC"
+    page = report.html({"run": "r"}, {}, {}, "")
+    assert f"Times are the database clock, {report.ZONE}." in page

@@ -18,6 +18,11 @@ from typing import Any
 from distlock.admin.timeline import STALE_WRITE_ACCEPTED, build
 from distlock.admin.timeline_svg import render
 
+#: The zone of the report's times: UTC, a fixed zone that reads the same on every
+#: machine the demo runs on. demo_project/settings.py's TIME_ZONE is the same, so the
+#: demo's admin shows the times the report does (tests/test_demo.py checks they agree).
+ZONE = UTC
+
 
 @dataclass(frozen=True)
 class _Accepted:
@@ -46,7 +51,7 @@ def mode_picture(lock: str, events: list[Any], attempts: list[Any], base: int) -
         shown, lane_of=lambda bar: workers.get(bar.token or 0, bar.holder or "?"),
         title=f"grants of {lock} per worker",
     )
-    return render(timeline, tz=UTC)
+    return render(timeline, tz=ZONE)
 
 
 _CSS = """
@@ -114,7 +119,8 @@ def html(run: dict[str, Any], results: dict[str, dict[str, Any]], pictures: dict
     parts.append(
         "<p class=\"quiet\">Bars: each grant of the lock, labelled with its fencing token, "
         "from its grant to its release or expiry; the dashed line under a bar is a stalled "
-        "holder still acting after its lease ran out. Times are the database clock, UTC. "
+        "holder still acting after its lease ran out. Times are the database clock, "
+        f"{ZONE}. "
         "Hover for details.</p></body></html>"
     )
     return "".join(parts)

@@ -9,19 +9,20 @@ come from :func:`distlock.core.status.relative`, the one place durations become 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from django.db.models import Q
 from django.utils import dateformat, timezone
-from django.utils.html import format_html
+from django.utils.html import escape, format_html
 from django.utils.safestring import SafeString
 
 from distlock.conf import conf
 from distlock.core.status import EXPIRED, FREE, HELD, relative
 from distlock.models import Lock, LockEvent
-from distlock.times import from_us
+from distlock.times import from_us, to_us
 
 _BADGE_COLOURS = {
     HELD: "#1f7a1f",
@@ -48,24 +49,6 @@ def _local(us: int) -> datetime:
     return timezone.localtime(from_us(us))
 
 
-def when(us: int | None) -> SafeString:
-    """A database-clock time to the second in the site's time zone: "04:21:36" when it is
-    today there, "12-01 04:21:36" this year, "2025-12-01 04:21:36" before; the full time
-    with milliseconds and the zone on hover."""
-    if us is None:
-        return SafeString("")
-    local = _local(us)
-    today = timezone.localtime(datetime.now(UTC)).date()
-    if local.date() == today:
-        short = local.strftime("%H:%M:%S")
-    elif local.year == today.year:
-        short = local.strftime("%m-%d %H:%M:%S")
-    else:
-        short = local.strftime("%Y-%m-%d %H:%M:%S")
-    return format_html('<time class="distlock-when" datetime="{}" title="{}">{}</time>',
-                       local.isoformat(), precise(us), short)
-
-
 def precise(us: int | None) -> str:
     """The full time with milliseconds and the time zone, for a lock's or event's page
     (leases of a second or less must be told apart there)."""
@@ -75,26 +58,28 @@ def precise(us: int | None) -> str:
     return f"{local:%Y-%m-%d %H:%M:%S}.{local.microsecond // 1000:03d} {local:%Z}".rstrip()
 
 
+def clock_text(us: int, now_us: int, *, exact: bool = False) -> str:
+    """:func:`clock`'s text without its markup ("17:37:49 IST"), for a ``title`` (a
+    tooltip holds no markup) and a cell cut to its text."""
+    if exact:
+        return precise(us)
+    local = _local(us)
+    today = timezone.localtime(from_us(now_us)).date()
+    return str(dateformat.format(local, "H:i:s T" if local.date() == today else "Y-m-d H:i:s T"))
+
+
 def clock(us: int | None, now_us: int, *, exact: bool = False) -> SafeString:
     """A database-clock time in the site's time zone with the zone shown: "17:37:49 IST",
     with the date before it when it is not the database clock's today there; to the
     millisecond on hover. ``exact``: the date and the milliseconds always (a lock's page,
     where leases of a second or less must be told apart).
 
-    The one way the Locks list, a lock's page and the overview show a time: the database
-    clock, never the browser's or this server's, always with its zone."""
+    The one way the admin shows a time: the database clock, never the browser's or this
+    server's, always with its zone."""
     if us is None:
         return SafeString("")
-    local = _local(us)
-    if exact:
-        shown = precise(us)
-    else:
-        today = timezone.localtime(from_us(now_us)).date()
-        shown = dateformat.format(
-            local, "H:i:s T" if local.date() == today else "Y-m-d H:i:s T"
-        )
     return format_html('<time class="distlock-when" datetime="{}" title="{}">{}</time>',
-                       local.isoformat(), precise(us), shown)
+                       _local(us).isoformat(), precise(us), clock_text(us, now_us, exact=exact))
 
 
 def clock_and_relative(
@@ -109,6 +94,45 @@ def clock_and_relative(
                            clock(us, now_us, exact=exact), relative(us, now_us))
     return format_html('{}<span class="distlock-relative">{}</span>',
                        clock(us, now_us, exact=exact), relative(us, now_us))
+
+
+# An ISO 8601 time with its offset, as the audit writes it into a detail
+# ("expires 2026-12-03T12:07:49.920824+00:00", distlock.times.expiry_detail).
+_ISO_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:[+-]\d\d:\d\d|Z)")
+
+
+def _detail_parts(detail: str) -> list[str | int]:
+    """``detail`` cut into its text and its times (epoch microseconds, in order)."""
+    parts: list[str | int] = []
+    last = 0
+    for found in _ISO_TIME.finditer(detail):
+        try:
+            moment = datetime.fromisoformat(found.group(0))
+        except ValueError:
+            continue  # not a time after all ("2026-13-45T…"): left as written
+        parts.append(detail[last:found.start()])
+        parts.append(to_us(moment))
+        last = found.end()
+    parts.append(detail[last:])
+    return parts
+
+
+def detail_text(detail: str, now_us: int, *, exact: bool = False) -> str:
+    """An audit detail for people: each time in it (stored as UTC ISO with microseconds,
+    the record) as :func:`clock_text` shows it, in the site's zone with the zone:
+    "expires 17:37:49 IST". Plain text, for a cell cut to its text and for a tooltip."""
+    return "".join(
+        part if isinstance(part, str) else clock_text(part, now_us, exact=exact)
+        for part in _detail_parts(detail or "")
+    )
+
+
+def detail_html(detail: str, now_us: int, *, exact: bool = False) -> SafeString:
+    """:func:`detail_text` as HTML, each time a :func:`clock` (an event's page)."""
+    return SafeString("".join(
+        str(escape(part)) if isinstance(part, str) else clock(part, now_us, exact=exact)
+        for part in _detail_parts(detail or "")
+    ))
 
 
 def elide(text: str, width: int) -> str:
@@ -136,11 +160,13 @@ def holder_text(text: str) -> SafeString:
                        elide(text, HOLDER_WIDTH))
 
 
-def cut(text: str, css: str = "distlock-cut") -> SafeString:
-    """``text`` in a span its CSS class cuts with an ellipsis; all of it on hover."""
+def cut(text: str, css: str = "distlock-cut", title: str | None = None) -> SafeString:
+    """``text`` in a span its CSS class cuts with an ellipsis; all of it (or ``title``)
+    on hover."""
     if not text:
         return SafeString("")
-    return format_html('<span class="{}" title="{}">{}</span>', css, text, text)
+    return format_html('<span class="{}" title="{}">{}</span>', css,
+                       text if title is None else title, text)
 
 
 def short_owner(owner: str) -> SafeString:

@@ -11,6 +11,7 @@ kinds are shown by their labels ("stale write refused"), never their codes.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin
@@ -24,7 +25,14 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext
 
-from distlock.admin.display import badge, cut, precise, when
+from distlock.admin.display import (
+    badge,
+    clock,
+    clock_and_relative,
+    cut,
+    detail_html,
+    detail_text,
+)
 from distlock.admin.paging import CappedPaginator
 from distlock.admin.search import EVENTS_HELP_TEXT, EXACT, NameSearch
 from distlock.backends.indexes import RARE_KINDS_SQL
@@ -32,6 +40,7 @@ from distlock.conf import conf
 from distlock.constants import RARE_KINDS
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
+from distlock.times import to_us
 
 if TYPE_CHECKING:
     _LockEventAdminBase = admin.ModelAdmin[LockEvent]
@@ -153,7 +162,8 @@ def heading(event: LockEvent) -> str:
 class _EventChangeList(ChangeList):
     """Django's list, and then, for the rows of the page only, whether each event's lock
     still has its row (one query), so the name links to the lock's page or, for a purged
-    lock, to the Locks list searched for it."""
+    lock, to the Locks list searched for it; and the database clock, read once, which
+    says which times are of its today (shown without their date)."""
 
     def get_results(self, request: HttpRequest) -> None:
         super().get_results(request)
@@ -162,8 +172,10 @@ class _EventChangeList(ChangeList):
             Lock.objects.using(self.queryset.db).filter(name__in=names)
             .values_list("name", flat=True)
         ) if names else set()
+        now_us = db_now_us(self.queryset.db) if names else 0
         for event in self.result_list:
             event.lock_exists = event.name in existing
+            event.db_now_us = now_us
 
 
 class AgeFilter(admin.SimpleListFilter):
@@ -200,7 +212,11 @@ class LockEventAdmin(NameSearch, _LockEventAdminBase):
     newest_first = True
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
-    fields = ("at_precise", "kind_badge", "name", "token", "owner", "holder", "by", "detail")
+    # The detail as people read it, its times in the site's zone (detail_shown); the
+    # stored text, the record, stays as the audit wrote it.
+    fields = (
+        "at_precise", "kind_badge", "name", "token", "owner", "holder", "by", "detail_shown",
+    )
     readonly_fields = fields
     list_per_page = 100
     paginator = CappedPaginator
@@ -224,6 +240,15 @@ class LockEventAdmin(NameSearch, _LockEventAdminBase):
         if obj is not None:
             extra_context = {"subtitle": heading(obj), **(extra_context or {})}
         return super().change_view(request, object_id, form_url, extra_context)
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> LockEvent | None:
+        """The event, with the database clock read for its page's relative times."""
+        obj = super().get_object(request, object_id, from_field)
+        if obj is not None:
+            obj.db_now_us = db_now_us(conf.database())  # type: ignore[attr-defined]
+        return obj
 
     def history_view(
         self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
@@ -253,11 +278,11 @@ class LockEventAdmin(NameSearch, _LockEventAdminBase):
 
     @admin.display(description="at", ordering="at_us")
     def at(self, obj: LockEvent) -> str:
-        return when(obj.at_us)
+        return clock(obj.at_us, _now_us(obj))
 
     @admin.display(description="at")
     def at_precise(self, obj: LockEvent) -> str:
-        return precise(obj.at_us)
+        return clock_and_relative(obj.at_us, _now_us(obj), inline=True, exact=True)
 
     @admin.display(description="event", ordering="kind")
     def kind_badge(self, obj: LockEvent) -> str:
@@ -283,5 +308,19 @@ class LockEventAdmin(NameSearch, _LockEventAdminBase):
 
     @admin.display(description="detail")
     def detail_cut(self, obj: LockEvent) -> str:
+        # The times in it to the second in the cell, to the millisecond on hover.
         text = f"by {obj.by}" + (f"; {obj.detail}" if obj.detail else "") if obj.by else obj.detail
-        return cut(text, "distlock-cut distlock-detail")
+        now_us = _now_us(obj)
+        return cut(detail_text(text, now_us), "distlock-cut distlock-detail",
+                   title=detail_text(text, now_us, exact=True))
+
+    @admin.display(description="detail")
+    def detail_shown(self, obj: LockEvent) -> str:
+        return detail_html(obj.detail, _now_us(obj), exact=True)
+
+
+def _now_us(event: LockEvent) -> int:
+    """The database clock read for the event's list or page (this server's clock for an
+    event shown some other way, which only decides whether a date is written)."""
+    now_us: int | None = getattr(event, "db_now_us", None)
+    return now_us if now_us is not None else to_us(datetime.now(UTC))

@@ -25,6 +25,7 @@ from django.db.models.expressions import RawSQL
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString
@@ -508,7 +509,10 @@ class LockAdmin(NameSearch, _LockAdminBase):
             "breakable": [
                 {
                     "lock": row,
-                    "expires": relative(row.expires_us, row.db_now_us),
+                    # The site's zone, the zone shown, how soon beside it: the
+                    # one clock of every page (display.clock_and_relative).
+                    "acquired": clock_and_relative(row.acquired_us, row.db_now_us, inline=True),
+                    "expires": clock_and_relative(row.expires_us, row.db_now_us, inline=True),
                     "expect": json.dumps([row.name, row.owner, row.token]),
                 }
                 for row in breakable
@@ -518,6 +522,7 @@ class LockAdmin(NameSearch, _LockAdminBase):
             "changelist_url": back
             or reverse(f"{self.admin_site.name}:distlock_lock_changelist"),
             "distlock_return": bool(back),
+            "distlock_zone": timezone.get_current_timezone_name(),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.confirmation_template, context)

@@ -28,7 +28,14 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
 
-from distlock.admin.display import clock, clock_and_relative, cut, precise, short_owner
+from distlock.admin.display import (
+    clock,
+    clock_and_relative,
+    cut,
+    detail_text,
+    precise,
+    short_owner,
+)
 from distlock.admin.overview import (
     EVENT_WINDOW,
     EXPIRED_LIMIT,
@@ -183,7 +190,8 @@ def _context(model_admin: LockAdmin) -> dict[str, Any]:
         "stale": [
             {"at": clock_and_relative(event.at_us, now), "name": event.name,
              "url": lock_url(event.name), "token": event.token, "holder": cut(event.holder),
-             "detail": cut(event.detail, "distlock-cut distlock-detail")}
+             "detail": cut(detail_text(event.detail, now), "distlock-cut distlock-detail",
+                           title=detail_text(event.detail, now, exact=True))}
             for event in data.stale
         ],
         "stale_count": data.stale_count,
