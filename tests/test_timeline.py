@@ -268,6 +268,18 @@ def test_a_window_leaves_out_marks_outside_it_and_cuts_bars_at_its_edges():
     assert float(drawn[0].find(f"{SVG}rect").get("x")) == 210  # cut at the axis' start
 
 
+def test_tooltips_carry_the_zone_and_no_raw_iso_time(settings):
+    from zoneinfo import ZoneInfo
+
+    settings.TIME_ZONE = "Asia/Kolkata"
+    events = [grant(T0, 7, S), grant(T0 + S, 8, S, kind="took_over")]
+    svg = render(build(events, now_us=T0 + 2 * S), tz=ZoneInfo("Asia/Kolkata"))
+    titles = [t.text or "" for t in parse(svg).iter(f"{SVG}title")]
+    tips = [t for t in titles if "granted" in t or "take-over" in t]
+    assert len(tips) >= 3 and all(" IST" in tip for tip in tips), tips
+    assert not re.search(r"\d{4}-\d\d-\d\dT\d", svg), "a raw ISO time in the picture"
+
+
 # -- the admin pages ------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, tzinfo
 from html import escape
 
-from distlock.admin.display import elide
+from distlock.admin.display import detail_text, elide
 from distlock.admin.timeline import STALE_WRITE_ACCEPTED, Bar, Lane, Mark, Timeline
 from distlock.times import from_us
 
@@ -72,6 +72,11 @@ def _text_w(text: str) -> float:
 def _clock(at_us: int, tz: tzinfo, precise: bool = True) -> str:
     local = from_us(at_us).astimezone(tz)
     return local.strftime("%H:%M:%S.%f")[:-3] if precise else local.strftime("%H:%M:%S")
+
+
+def _tip_clock(at_us: int, tz: tzinfo) -> str:
+    """A tooltip's time: to the millisecond, with its zone (a tooltip stands alone)."""
+    return f"{_clock(at_us, tz)} {_zone(from_us(at_us).astimezone(tz))}"
 
 
 class _Axis:
@@ -207,15 +212,15 @@ def _bar(
     x1 = max(axis.x(end), x0 + 2)
     token = "?" if bar.token is None else str(bar.token)
     tip = [f"token {token}, {bar.holder or 'unknown holder'}",
-           f"granted {_clock(bar.start_us, tz)}" + (" (expired take-over)" if bar.took_over
+           f"granted {_tip_clock(bar.start_us, tz)}" + (" (expired take-over)" if bar.took_over
                                                       else "")]
     if bar.ended == "held":
-        tip.append("held now" + (f", lease ends {_clock(bar.expires_us, tz)}"
+        tip.append("held now" + (f", lease ends {_tip_clock(bar.expires_us, tz)}"
                                  if bar.expires_us else ""))
     elif bar.end_us is not None:
-        tip.append(f"{bar.ended} {_clock(bar.end_us, tz)}")
+        tip.append(f"{bar.ended} {_tip_clock(bar.end_us, tz)}")
     if bar.acted_until_us is not None:
-        tip.append(f"holder still acting until {_clock(bar.acted_until_us, tz)}")
+        tip.append(f"holder still acting until {_tip_clock(bar.acted_until_us, tz)}")
     out = [
         f'<g class="dl-bar dl-bar-{_a(bar.ended)}" data-token="{_a(token)}" '
         f'data-start-us="{bar.start_us}" data-end-us="{"" if open_end else bar.end_us}" '
@@ -253,7 +258,8 @@ def _mark(axis: _Axis, mark: Mark, y: int, tz: tzinfo) -> list[str]:
     head = (
         f'<g class="dl-mark-g dl-mark-{_a(mark.kind)}" data-kind="{_a(mark.kind)}" '
         f'data-token="{_a(token)}" data-at-us="{mark.at_us}">'
-        f"<title>{_a(_clock(mark.at_us, tz))} {_a(mark.text)}"
+        # The detail's own times (stored as UTC ISO) in the site's zone, as in the lists.
+        f"<title>{_a(_tip_clock(mark.at_us, tz))} {_a(detail_text(mark.text, mark.at_us))}"
         f"{_a(f' (token {token})') if token else ''}</title>"
     )
     if mark.kind == "took_over":  # on the new grant's bar's upper edge
