@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import threading
+from io import StringIO
 from typing import Any
 
 import pytest
+from django.conf import settings
+from django.core.management import CommandError, call_command
+from django.db import connection
 
 from distlock import break_lock
 from distlock.leader import Term, aelect, elect, run_as_leader
@@ -153,3 +160,59 @@ def test_aelect_renews_in_the_event_loop_until_resigned():
     start, token, active = run_async(main, seconds=30)
     assert start == token and active
     assert Lock.objects.get(name="async-leader").owner == ""
+
+
+def _manage(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "DISTLOCK_TEST_CHILD_DB": connection.settings_dict["NAME"]}
+    return subprocess.Popen(
+        [sys.executable, "-m", "django", *args], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=settings.BASE_DIR,
+    )
+
+
+@pytest.mark.processes
+def test_the_leader_command_leads_until_sigterm_and_steps_down():
+    leader = _manage("distlock_leader", "cron", "tests.support.leader_workers.idle",
+                     "--ttl", "5")
+    try:
+        row = wait_until(
+            lambda: Lock.objects.filter(name="cron").exclude(owner="").first(),
+            timeout=60, what="the command elected",
+        )
+        assert row.holder.endswith("distlock_leader cron")
+        leader.send_signal(signal.SIGTERM)
+        out, err = leader.communicate(timeout=60)
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+    assert leader.returncode == 0, err
+    assert f"elected: term {row.token}" in out and "SIGTERM: stepping down" in out
+    assert out.rstrip().endswith("stopped")
+    assert Lock.objects.get(name="cron").owner == "", "the leader did not step down"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["cron", "tests.support.leader_workers.nothing_here"], "callable: cannot import"),
+        (["cron", "tests.support.leader_workers.__doc__"], "is not callable"),
+        (["cron", "tests.support.leader_workers.idle", "--ttl", "0"], "ttl"),
+        (["cron", "tests.support.leader_workers.idle", "--ttl", "soon"], "--ttl: 'soon'"),
+        (["x" * 300, "tests.support.leader_workers.idle"], "name"),
+    ],
+)
+def test_the_leader_command_refuses_bad_input_and_campaigns_for_nothing(args, message):
+    with pytest.raises(CommandError, match=message):
+        call_command("distlock_leader", *args)
+    assert not Lock.objects.exists()
+
+
+def test_the_leader_command_exits_when_its_loop_returns():
+    out = StringIO()
+    call_command("distlock_leader", "once", "tests.support.leader_workers.done_at_once",
+                 stdout=out)
+    row = Lock.objects.get(name="once")
+    assert out.getvalue().splitlines() == [f"elected: term {row.token}",
+                                           "done: the loop returned"]
+    assert row.owner == ""

@@ -45,3 +45,14 @@ def campaign(pk: Any, ttl: float, careful: bool) -> None:
 
     run_as_leader(account.get_fence_name(), loop, ttl=ttl, on_elected=elected,
                   on_lost=lost)
+
+
+def idle(term: Any) -> None:
+    """A leader's loop for the distlock_leader command's test: sleeps until its term is
+    over or the command is told to stop."""
+    while term.sleep(0.1):
+        pass
+
+
+def done_at_once(term: Any) -> None:
+    """A loop that returns while it leads: the command steps down and exits 0."""
