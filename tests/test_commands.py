@@ -1039,6 +1039,7 @@ NUMERIC_OPTIONS = [
     ("distlock_purge", [], "--events-older-than"),
     ("distlock_doctor", [], "--max-skew"),
     ("distlock_failover", [], "--margin"),
+    ("distlock_leader", ["cron", "tests.support.leader_workers.idle"], "--ttl"),
 ]
 # Refused by every one of them: past a signed (and an unsigned) 64-bit integer, past a
 # float, past int()'s 4,300 digits; negative; not a number at all; NaN and infinities.
@@ -1058,6 +1059,7 @@ REFUSED_TOO = {
     "--idle": ["1000000000001", "99999999999999999999d"],
     "--events-older-than": ["1000000000001", "99999999999999999999w"],
     "--max-skew": ["1000000000001", "1e13"],
+    "--ttl": ["0", "0.0001", "86401", "1000000000001"],
 }
 
 
@@ -1125,6 +1127,8 @@ def test_every_numeric_option_refuses_hostile_values_and_changes_nothing(
         ("distlock_doctor", [], "max_skew", -1),
         ("distlock_failover", [], "margin", 10**20),
         ("distlock_failover", [], "margin", float("inf")),
+        ("distlock_leader", ["cron", "tests.support.leader_workers.idle"], "ttl", float("nan")),
+        ("distlock_leader", ["cron", "tests.support.leader_workers.idle"], "ttl", 10**20),
     ],
 )
 def test_numbers_given_to_call_command_are_checked_the_same(
@@ -1159,13 +1163,13 @@ def test_the_numeric_options_above_are_every_numeric_option():
 
     not_numbers = {
         "--held", "--json", "--prefix", "--owner", "--database", "--skip-events", "name",
-        "--state", "--dry-run",
+        "--state", "--dry-run", "callable",
         "--help", "--version", "--verbosity", "--settings", "--pythonpath", "--traceback",
         "--no-color", "--force-color", "--skip-checks",
     }
     found = set()
     for command in ("distlock_list", "distlock_break", "distlock_purge", "distlock_doctor",
-                    "distlock_failover"):
+                    "distlock_failover", "distlock_leader"):
         parser = load_command_class("distlock", command).create_parser("manage.py", command)
         for action in parser._actions:
             names = action.option_strings or [action.dest]

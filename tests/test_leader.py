@@ -163,7 +163,7 @@ def test_aelect_renews_in_the_event_loop_until_resigned():
 
 
 def _manage(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONUNBUFFERED": "1",
            "DISTLOCK_TEST_CHILD_DB": connection.settings_dict["NAME"]}
     return subprocess.Popen(
         [sys.executable, "-m", "django", *args], env=env, stdout=subprocess.PIPE,
@@ -175,20 +175,33 @@ def _manage(*args: str) -> subprocess.Popen[str]:
 def test_the_leader_command_leads_until_sigterm_and_steps_down():
     leader = _manage("distlock_leader", "cron", "tests.support.leader_workers.idle",
                      "--ttl", "5")
+    lines: list[str] = []
+
+    def read() -> None:
+        assert leader.stdout is not None
+        for line in leader.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        row = wait_until(
-            lambda: Lock.objects.filter(name="cron").exclude(owner="").first(),
-            timeout=60, what="the command elected",
-        )
-        assert row.holder.endswith("distlock_leader cron")
+        # Elected means on_elected ran, not only that the row was granted: a SIGTERM
+        # between the two steps down without leading (and prints no "elected").
+        wait_until(lambda: lines, timeout=60, what="the command elected")
+        row = Lock.objects.get(name="cron")
+        assert lines == [f"elected: term {row.token}"]
+        assert row.owner and row.holder.endswith("distlock_leader cron")
         leader.send_signal(signal.SIGTERM)
-        out, err = leader.communicate(timeout=60)
+        assert leader.wait(timeout=60) == 0, leader.stderr.read() if leader.stderr else ""
     finally:
         if leader.poll() is None:
             leader.kill()
-    assert leader.returncode == 0, err
-    assert f"elected: term {row.token}" in out and "SIGTERM: stepping down" in out
-    assert out.rstrip().endswith("stopped")
+            leader.wait(60)
+        reader.join(10)
+        for pipe in (leader.stdout, leader.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert lines == [f"elected: term {row.token}", "SIGTERM: stepping down", "stopped"]
     assert Lock.objects.get(name="cron").owner == "", "the leader did not step down"
 
 
