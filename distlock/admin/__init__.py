@@ -1,7 +1,8 @@
 """The operator UI: the admin of locks and lock events, and the pages they link to.
 
 ``locks`` and ``events`` are the model admins (registered on import, which Django's admin
-autodiscovery does); ``views`` the overview and timeline pages; ``overview`` and
+autodiscovery does), ``locks`` with its parts ``lock_page``, ``breaking`` and ``filters``
+(``bases`` types them); ``views`` the overview and timeline pages; ``overview`` and
 ``timeline`` the queries and the history they show, ``timeline_svg`` its drawing;
 ``display``, ``search`` and ``paging`` what the lists share.
 """

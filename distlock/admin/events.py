@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.contrib import admin
 from django.contrib.admin.utils import quote, unquote
@@ -25,6 +25,7 @@ from django.utils.html import format_html
 from django.utils.http import urlencode
 from django.utils.translation import gettext
 
+from distlock.admin.bases import LockEventModelAdmin
 from distlock.admin.display import (
     badge,
     clock,
@@ -41,12 +42,6 @@ from distlock.constants import RARE_KINDS
 from distlock.db import db_now_us
 from distlock.models import Lock, LockEvent
 from distlock.times import to_us
-
-if TYPE_CHECKING:
-    _LockEventAdminBase = admin.ModelAdmin[LockEvent]
-else:
-    _LockEventAdminBase = admin.ModelAdmin
-
 
 #: ``?kind=all``: every kind, renewals too.
 ALL_KINDS = "all"
@@ -200,7 +195,7 @@ class AgeFilter(admin.SimpleListFilter):
 
 
 @admin.register(LockEvent)
-class LockEventAdmin(NameSearch, _LockEventAdminBase):
+class LockEventAdmin(NameSearch, LockEventModelAdmin):
     list_display = ["at", "kind_badge", "lock_link", "token", "holder_cut", "detail_cut"]
     # The time opens the event's page; the name, the lock's (lock_link).
     list_display_links = ["at"]
