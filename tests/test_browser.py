@@ -606,6 +606,11 @@ TEXTS = """() => [...document.querySelectorAll("svg.distlock-timeline")].map(svg
     return {
         count: texts.length, width: box.width,
         outside: texts.filter(t => Math.min(t.left, t.right, t.top, t.bottom) < -0.5),
+        // Labels of the axis' row (ticks, the day, "now …") drawn into each other.
+        overlapping: texts.filter(t => t.top < 24).flatMap((a, i, row) => row.slice(i + 1)
+            .filter(b => Math.min(box.width - a.right, box.width - b.right)
+                         - Math.max(a.left, b.left) > 0.5)
+            .map(b => [a.text, b.text])),
         // The legend's labels (not the "!" drawn inside a symbol).
         legend: [...svg.querySelectorAll(".dl-legend text:not(.dl-glyph)")].map(own),
         crosses: svg.querySelectorAll(".dl-legend .dl-x").length,
@@ -742,6 +747,7 @@ def test_every_text_of_the_pictures_lies_inside_them(
         for svg in pictures:
             assert svg["count"] > 10 and svg["width"] > 0.5 * min(width, 960) - 60, svg
             assert svg["outside"] == [], (where, width, svg["outside"])
+            assert svg["overlapping"] == [], (where, width, svg["overlapping"])
             assert len(set(svg["legend"])) == len(svg["legend"]), (where, svg["legend"])
     # Every symbol of the admin's pictures is used, and each is named once: the break's
     # mark is drawn on the broken bar's key, not as a second "broken".
@@ -822,6 +828,7 @@ def test_an_incident_ten_minutes_old_stays_drawn_apart_beside_two_renewing_locks
             page.locator(".distlock-timeline-box").screenshot(
                 path=str(admin_shots / "timeline-incident-10-minutes-later.png"))
             got = page.evaluate(APART)
+            got["texts"] = page.evaluate(TEXTS)
             # The unclaimed lease is now, outside the incident's window: the last 5 minutes.
             page.goto(url + "&range=5m")
             api.expect(page.locator("svg.distlock-timeline g[data-lane]")).to_have_count(4)
@@ -834,6 +841,8 @@ def test_an_incident_ten_minutes_old_stays_drawn_apart_beside_two_renewing_locks
     assert got["lanes"] == names
     (took,), (stale,) = got["took"], got["stale"]
     assert stale - took >= 20, got
+    # The axis' last tick and "now: 10 min later →" each readable, not drawn into each other.
+    assert [svg["overlapping"] for svg in got["texts"]] == [[]], got["texts"]
     assert "around the latest incident" in got["shown"], got["shown"]
     assert got["gone"] and all(bar["ended"] == "expired" for bar in got["gone"]), got
     assert all(bar["fill"] != got["held"] for bar in got["gone"]), got

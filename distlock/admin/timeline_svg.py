@@ -111,7 +111,17 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
         f'data-end-us="{timeline.end_us}">',
         f"<title>{_a(title)}</title><style>{_STYLE}</style>",
     ]
-    out += _grid(axis, tz, bottom, timeline.now_us)
+    # The "now" label's place on the axis' row: no tick label may be drawn into it.
+    later = None
+    if timeline.now_us is not None and timeline.now_us > axis.end:
+        later = f"now: {_later(timeline.now_us - axis.end)} later →"
+        taken = (axis.right - _text_w(later) - 8, axis.right)
+    elif timeline.now_us is not None:
+        now_x = axis.x(timeline.now_us)
+        taken = (now_x - 3 - _text_w("now") - 8, now_x + 4)
+    else:
+        taken = None
+    out += _grid(axis, tz, bottom, taken)
     for row, lane in enumerate(lanes):
         out += _lane(axis, lane, TOP + row * LANE_H, tz)
     if timeline.empty:
@@ -119,10 +129,10 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
             f'<text class="dl-quiet" x="{(LABEL_W + WIDTH) // 2}" y="{TOP + LANE_H // 2 + 4}" '
             'text-anchor="middle">no audit events in this window</text>'
         )
-    if timeline.now_us is not None and timeline.now_us > axis.end:
+    if later is not None:
         out.append(
             f'<text x="{axis.right}" y="{TOP - 10}" text-anchor="end" class="dl-quiet">'
-            f"now: {_a(_later(timeline.now_us - axis.end))} later →</text>"
+            f"{_a(later)}</text>"
         )
     elif timeline.now_us is not None:
         x = axis.x(timeline.now_us)
@@ -145,19 +155,23 @@ def _later(us: int) -> str:
     return f"{int(seconds)} s"
 
 
-def _grid(axis: _Axis, tz: tzinfo, bottom: int, now_us: int | None) -> list[str]:
+def _grid(
+    axis: _Axis, tz: tzinfo, bottom: int, taken: tuple[float, float] | None
+) -> list[str]:
+    """The ticks and their labels; a label that would run into ``taken`` (the "now"
+    label's span on the same row) is left out, its line kept."""
     step, ticks = axis.ticks()
     out = ['<g class="dl-axis">']
-    now_x = None if now_us is None else (axis.right - 70 if now_us > axis.end
-                                          else axis.x(now_us))
     for at in ticks:
         x = axis.x(at)
         text = _clock(at, tz, precise=step < 1)
         out.append(f'<line class="dl-grid" x1="{x}" x2="{x}" y1="{TOP - 4}" y2="{bottom}"/>')
-        if now_x is None or not now_x - 70 < x < now_x + 40:  # "now …" has that place
-            # Centred on its line, or ending at it where the centred label would run past
-            # the picture's right edge (a tick at the axis' end).
-            anchor = "end" if x + _text_w(text) / 2 > WIDTH - 2 else "middle"
+        # Centred on its line, or ending at it where the centred label would run past
+        # the picture's right edge (a tick at the axis' end).
+        width = _text_w(text)
+        anchor = "end" if x + width / 2 > WIDTH - 2 else "middle"
+        left, right = (x - width, x) if anchor == "end" else (x - width / 2, x + width / 2)
+        if taken is None or right < taken[0] or left > taken[1]:
             out.append(f'<text x="{x}" y="{TOP - 10}" text-anchor="{anchor}">{_a(text)}</text>')
     day = from_us(axis.start).astimezone(tz)
     out.append(
