@@ -113,14 +113,13 @@ def render(timeline: Timeline, *, tz: tzinfo = UTC, label: str = "") -> str:
     ]
     # The "now" label's place on the axis' row: no tick label may be drawn into it.
     later = None
+    taken: tuple[float, float] | None = None
     if timeline.now_us is not None and timeline.now_us > axis.end:
         later = f"now: {_later(timeline.now_us - axis.end)} later →"
         taken = (axis.right - _text_w(later) - 8, axis.right)
     elif timeline.now_us is not None:
         now_x = axis.x(timeline.now_us)
         taken = (now_x - 3 - _text_w("now") - 8, now_x + 4)
-    else:
-        taken = None
     out += _grid(axis, tz, bottom, taken)
     for row, lane in enumerate(lanes):
         out += _lane(axis, lane, TOP + row * LANE_H, tz)
