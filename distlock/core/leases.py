@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Protocol
 
 from asgiref.sync import sync_to_async
 from django.db import connections, transaction
@@ -18,8 +15,8 @@ from django.db import connections, transaction
 from distlock import db, signals
 from distlock.backends import backend_for
 from distlock.backends.results import Grant
-from distlock.conf import conf
 from distlock.core import uncommitted
+from distlock.core.background import AsyncRenewer, DeferredRelease, Renewer, ThreadRenewer
 from distlock.core.shielding import shielded
 from distlock.exceptions import LockLost
 from distlock.times import from_us
@@ -39,14 +36,6 @@ Moment = int | datetime | None
 
 def _moment(value: Moment) -> datetime | None:
     return from_us(value) if isinstance(value, int) else value
-
-
-class Renewer(Protocol):
-    """A lease's auto-renewal: a helper thread (sync API) or an asyncio task (async API)."""
-
-    stopped: threading.Event
-
-    def stop(self) -> None: ...
 
 
 class Lease:
@@ -283,7 +272,7 @@ class Lease:
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
             renewer.stopped.set()
-        helper = _DeferredRelease(self, renewer)
+        helper = DeferredRelease(self, renewer)
         helper.start()
         for note in notes:
             if note.connection.in_atomic_block:
@@ -301,7 +290,7 @@ class Lease:
         """
         if self._renewer is not None:
             raise RuntimeError("auto-renew is already running for this lease")
-        self._renewer = _Renewer(self, on_lost)
+        self._renewer = ThreadRenewer(self, on_lost)
         self._renewer.start()
 
     def start_auto_arenew(self, on_lost: LostCallback | None = None) -> None:
@@ -311,7 +300,7 @@ class Lease:
         """
         if self._renewer is not None:
             raise RuntimeError("auto-renew is already running for this lease")
-        self._renewer = _AsyncRenewer(self, on_lost)
+        self._renewer = AsyncRenewer(self, on_lost)
 
     def _stop_renewer(self) -> None:
         renewer, self._renewer = self._renewer, None
@@ -323,92 +312,3 @@ class Lease:
             self._lost_reason = reason
             logger.warning("lost lock %r (token %s): %s", self.name, self.token, reason)
             signals.lock_lost.send(sender=Lease, lease=self, reason=reason)
-
-
-class _DeferredRelease(threading.Thread):
-    """Releases ``lease`` on its own connection once the caller's transaction ends."""
-
-    def __init__(self, lease: Lease, renewer: Renewer | None) -> None:
-        super().__init__(name=f"distlock-release-{lease.name[:40]}", daemon=True)
-        self.lease = lease
-        self.renewer = renewer
-
-    def run(self) -> None:
-        lease = self.lease
-        try:
-            if self.renewer is not None:
-                self.renewer.stop()
-            with lease._mutex:
-                held, released_us = db.run(
-                    lease.using, "release", lease.name, lease.owner, lease.token
-                )
-            lease._released_by_database(held, released_us)
-        except BaseException:  # noqa: BLE001 - nobody to raise to: the lease expires
-            logger.exception(
-                "deferred release of lock %r (token %s) failed; it is freed when its "
-                "lease expires", lease.name, lease.token,
-            )
-        finally:
-            connections.close_all()
-
-
-class _Renewer(threading.Thread):
-    def __init__(self, lease: Lease, on_lost: LostCallback | None) -> None:
-        super().__init__(name=f"distlock-renew-{lease.name[:40]}", daemon=True)
-        self.lease = lease
-        self.on_lost = on_lost
-        self.stopped = threading.Event()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        if self is not threading.current_thread():
-            self.join()
-
-    def run(self) -> None:
-        try:
-            while not self.stopped.wait(self.lease.ttl * float(conf.RENEW_FRACTION)):
-                try:
-                    self.lease.renew()
-                except BaseException as exc:  # noqa: BLE001 - any failure means lost
-                    if self.stopped.is_set():
-                        return
-                    self.lease._lose(str(exc))
-                    if self.on_lost is not None:
-                        self.on_lost(self.lease, exc)
-                    return
-        finally:
-            connections.close_all()
-
-
-class _AsyncRenewer:
-    """The async API's auto-renewal: a task on the loop that acquired the lease."""
-
-    def __init__(self, lease: Lease, on_lost: LostCallback | None) -> None:
-        self.lease = lease
-        self.on_lost = on_lost
-        self.stopped = threading.Event()
-        self.loop = asyncio.get_running_loop()
-        self.task = self.loop.create_task(self.run(), name=f"distlock-renew-{lease.name[:40]}")
-
-    def stop(self) -> None:
-        # release() runs in Django's sync layer, often another thread than the loop's.
-        self.stopped.set()
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.task.cancel)
-
-    async def run(self) -> None:
-        lease = self.lease
-        while not self.stopped.is_set():
-            await asyncio.sleep(lease.ttl * float(conf.RENEW_FRACTION))
-            try:
-                await lease.arenew()
-            except Exception as exc:  # noqa: BLE001 - any failure means lost
-                if self.stopped.is_set():
-                    return
-                # lock_lost's receivers may use the database: not on the loop's thread.
-                await sync_to_async(lease._lose)(str(exc))
-                if self.on_lost is not None:
-                    outcome = self.on_lost(lease, exc)
-                    if inspect.isawaitable(outcome):
-                        await outcome
-                return
