@@ -24,7 +24,6 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from django.core.checks import CheckMessage
 from django.db import DatabaseError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
@@ -32,11 +31,13 @@ from distlock.backends.floor import TokenFloorSQL
 from distlock.backends.indexes import IndexSQL
 from distlock.backends.lean_cursor import forget as forget_lean_cursor
 from distlock.backends.results import RENEW_REFUSED, Busy, Grant, exhausted
+from distlock.backends.site_checks import SchemaChecks
+from distlock.backends.waiting import WaitingSQL
 from distlock.constants import LOCK_TABLE as TABLE
 from distlock.constants import MAX_TOKEN
 
 
-class Backend(TokenFloorSQL, IndexSQL):
+class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SchemaChecks):
     """One database vendor's SQL and facts. One instance per vendor, shared by threads:
     it keeps no state of its own (per-connection state lives on the connection)."""
 
@@ -199,64 +200,6 @@ class Backend(TokenFloorSQL, IndexSQL):
         """distlock_doctor: why the lock alias, its own connection to the database of
         ``others``, still cannot lock inside their transactions (None: it can)."""
         return None
-
-    # -- wake-ups ------------------------------------------------------------------------
-
-    def supports_wakeups(self) -> bool:
-        """Can a waiting acquire be woken by a release (see wakeups.py)?"""
-        return False
-
-    def wait_for_handoff(
-        self, connection: BaseDatabaseWrapper, seconds: float, queued: str
-    ) -> bool:
-        """Wait up to ``seconds`` on a queued connection for the hand-off to queue entry
-        ``queued``; True if it came."""
-        raise NotImplementedError
-
-    def waiting(self, cursor: Any, limit: int) -> list[tuple[str, int, str]] | None:
-        """Locks that blocking acquires wait for right now, as the wake-up registrations
-        show them: (name, sessions waiting, who they are), most waited-for first, at most
-        ``limit``. None where waiters register nowhere (they only poll), so nobody knows.
-        """
-        return None
-
-    def waiters(self, cursor: Any, name: str) -> int | None:
-        """How many sessions wait for lock ``name`` right now, as the wake-up registrations
-        show them (:meth:`waiting` for one name, free or not); None where waiters register
-        nowhere, so nobody knows."""
-        return None
-
-    # -- schema, checks and the doctor ---------------------------------------------------
-
-    def name_field_collation(self, connection: BaseDatabaseWrapper) -> str | None:
-        """The collation LockNameField asks for, where the default would not compare
-        names exactly (None: the default does)."""
-        return None
-
-    def name_collation(self, connection: BaseDatabaseWrapper) -> str | None:
-        """The collation the live lock table's name column has, where it matters."""
-        return None
-
-    def names_in_code_point_order(self, connection: BaseDatabaseWrapper) -> bool:
-        """Does the name column order strings by code point? Then the names starting with
-        a prefix are one range of its index (the admin's search); False when unsure."""
-        return False
-
-    def check_messages(
-        self, alias: str, settings_dict: dict[str, Any], *, name_collation: str | None = None
-    ) -> list[CheckMessage]:
-        """The system checks of this vendor for one DATABASES entry."""
-        return []
-
-    def doctor(self, connection: BaseDatabaseWrapper) -> list[tuple[str, str]]:
-        """distlock_doctor's probes of this vendor: (level, message) pairs."""
-        return []
-
-    def install_fence_trigger(self, schema_editor: Any, table: str, column: str) -> None:
-        raise NotImplementedError
-
-    def drop_fence_trigger(self, schema_editor: Any, table: str) -> None:
-        raise NotImplementedError
 
     # -- the lock operations (run by db.run) ---------------------------------------------
 
@@ -440,23 +383,3 @@ class Backend(TokenFloorSQL, IndexSQL):
             [name, owner, token],
         )
         return int(cursor.rowcount)
-
-    def enqueue(
-        self, cursor: Any, name: str, first: bool, previous: int, listeners: int
-    ) -> tuple[int, bool, int, bool]:
-        """Queue for a hand-off of ``name`` (where supports_wakeups()), the ``first``
-        time in this wait or again (``previous``: the entry replaced): the entry's id,
-        whether the lock looked free (try at once), how many are ahead, and whether this
-        waiter listens (fewer than ``listeners`` ahead, or nobody live)."""
-        raise NotImplementedError
-
-    def follow(
-        self, cursor: Any, name: str, queued: int, wait_ms: int
-    ) -> tuple[str, bool, int]:
-        """Wait up to ``wait_ms`` behind the waiter ahead of entry ``queued``: what
-        happened, whether to try at once, how many ahead left (see PostgreSQL's)."""
-        raise NotImplementedError
-
-    def leave(self, cursor: Any, name: str, queued: int) -> None:
-        """Undo :meth:`enqueue` (every entry of this session for ``name``)."""
-        raise NotImplementedError
