@@ -159,7 +159,7 @@ RINGS = [
     {"waiting"},
     {"core"},
     {"fencing"},
-    {"admin", "integrations", "ops", "contrib", "checks", "testing", "leader"},
+    {"admin", "integrations", "ops", "contrib", "checks", "testing", "leader", "periodic"},
     {"management", "templatetags", "apps", "celery", "tasks", "distlock"},
 ]
 # Arrows allowed outwards, each for a reason given here.

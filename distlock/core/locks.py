@@ -7,8 +7,8 @@ import contextvars
 import functools
 import inspect
 import time
-from collections.abc import Callable
-from contextlib import ContextDecorator
+from collections.abc import Callable, Iterator
+from contextlib import ContextDecorator, contextmanager
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
@@ -47,6 +47,17 @@ def current_lease() -> Lease | None:
     """The lease of the innermost ``lock()`` block (or locked task) running here, if any."""
     leases = _current.get()
     return leases[-1][0] if leases else None
+
+
+@contextmanager
+def as_current(lease: Lease) -> Iterator[Lease]:
+    """Make ``lease`` what :func:`current_lease` returns for the ``with`` block, without
+    acquiring or releasing it (a periodic job's run: distlock/periodic.py)."""
+    token = _current.set((*_current.get(), (lease, _running_task())))
+    try:
+        yield lease
+    finally:
+        _current.reset(token)
 
 
 def _running_task() -> asyncio.Task[Any] | None:
