@@ -145,7 +145,9 @@ def run_async(make: Callable[[], Awaitable[T]], seconds: float = 60.0) -> T:
 
     Django's sync layer runs the coroutine's database work in a thread of its own
     (asgiref's thread-sensitive executor): its connections are closed before this
-    returns, as a request's are at its end.
+    returns, as a request's are at its end. So is the loop's LISTEN connection of
+    async wake-ups, also when ``make()`` fails with tasks still waiting
+    (:func:`_settle_the_loop`).
     """
 
     async def main() -> T:
@@ -153,9 +155,39 @@ def run_async(make: Callable[[], Awaitable[T]], seconds: float = 60.0) -> T:
             async with asyncio.timeout(seconds):
                 return await make()
         finally:
-            await sync_to_async(connections.close_all)()
+            try:
+                async with asyncio.timeout(30):
+                    await _settle_the_loop()
+            finally:
+                await sync_to_async(connections.close_all)()
 
     return asyncio.run(main())
+
+
+async def _settle_the_loop() -> None:
+    """End the tasks a test's coroutine left behind, and what their ends start.
+
+    asyncio.run cancels the tasks left at its end, but not the tasks their cancellation
+    starts: a waiter that leaves unregisters its name in a task of the loop's wake-up
+    listener, which closes the LISTEN connection when no name is left. Left pending, that
+    connection stays open after the loop is gone (a session that keeps the test database
+    from being dropped, a LISTEN that makes releases notify). So: cancel the leftovers and
+    wait for them, then for the listener's own tasks, then close a connection still open.
+    """
+    from distlock.waiting import listener
+
+    current = asyncio.current_task()
+    leftovers = [task for task in asyncio.all_tasks() if task is not current]
+    for task in leftovers:
+        task.cancel()
+    await asyncio.gather(*leftovers, return_exceptions=True)
+    for per_alias in listener._listeners.get(asyncio.get_running_loop(), {}).values():
+        while per_alias.tasks:
+            await asyncio.gather(*per_alias.tasks, return_exceptions=True)
+        if per_alias.raw is not None:
+            per_alias._unwatch()
+            raw, per_alias.raw = per_alias.raw, None
+            await raw.close()
 
 
 def released(name: str, timeout: float = 10.0) -> Any:
@@ -333,3 +365,4 @@ def raise_in_main_thread(
         signal.signal(signal.SIGUSR1, previous)
     if failed:
         raise failed[0]
+
