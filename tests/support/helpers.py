@@ -366,3 +366,80 @@ def raise_in_main_thread(
     if failed:
         raise failed[0]
 
+
+class TryGate:
+    """Holds one refused try of the async API in Django's sync layer, after the database
+    answered and before the coroutine sees the answer, until :meth:`let_go`.
+
+    The async acquire's tries (``distlock.core.async_locks._attempt``) are counted as the
+    database refuses them; the ``hold``-th one is held. Meanwhile the event loop runs on
+    (the coroutine awaits its try), so a test can release the lock from another thread
+    exactly in the gap between a refused try and what the waiter does next.
+    """
+
+    def __init__(self, hold: int, timeout: float = 30.0) -> None:
+        self.hold = hold
+        self.timeout = timeout
+        self.refused = 0
+        self.holding = threading.Event()
+        self.go_on = threading.Event()
+
+    def wrap(self, attempt: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``attempt`` with the gate after it (it runs in the sync layer's thread)."""
+        from distlock.backends.results import Busy
+
+        def gated(request: Any) -> Any:
+            result = attempt(request)
+            if isinstance(result, Busy):
+                self.refused += 1
+                if self.refused == self.hold:
+                    self.holding.set()
+                    # Bounded: a test that fails meanwhile must not leave the thread stuck.
+                    self.go_on.wait(self.timeout)
+            return result
+
+        return gated
+
+    def let_go(self) -> None:
+        """Let the held try return its refusal to the coroutine."""
+        self.go_on.set()
+
+
+@contextlib.contextmanager
+def sync_layer_tries(hold: int) -> Iterator[TryGate]:
+    """While the block runs, the async API's ``hold``-th refused try is held by a
+    :class:`TryGate` (let go at the latest when the block ends)."""
+    from distlock.core import async_locks
+
+    gate = TryGate(hold)
+    original = async_locks._attempt
+    async_locks._attempt = gate.wrap(original)
+    try:
+        yield gate
+    finally:
+        gate.let_go()
+        async_locks._attempt = original
+
+
+@contextlib.contextmanager
+def after_each_dispatch(then: Callable[[str], object] | None = None) -> Iterator[list[str]]:
+    """While the block runs, record each wake-up the async LISTEN connections dispatch
+    (:meth:`distlock.waiting.listener._Listener.dispatch`: a release's NOTIFY, or a
+    wake-up passed on), by its channel, and call ``then(channel)`` right after it, in the
+    same round of the event loop: nothing else runs between the wake-up and ``then``."""
+    from distlock.waiting import listener
+
+    seen: list[str] = []
+    original = listener._Listener.dispatch
+
+    def dispatch(self: listener._Listener, name_channel: str) -> None:
+        original(self, name_channel)
+        seen.append(name_channel)
+        if then is not None:
+            then(name_channel)
+
+    listener._Listener.dispatch = dispatch
+    try:
+        yield seen
+    finally:
+        listener._Listener.dispatch = original
