@@ -25,6 +25,7 @@ from distlock.models import Lock
 from distlock.waiting import listener as async_wakeups
 from tests.support.helpers import (
     RowHolder,
+    after_each_dispatch,
     lock_waits,
     off_loop,
     run_async,
@@ -246,6 +247,57 @@ def test_a_waiter_woken_as_it_is_cancelled_stops_waiting(settings):
         assert await holder.arelease() is True
 
     run_async(body)
+
+
+
+@pytest.mark.no_pooler("the LISTEN connection of DISTLOCK_WAKEUPS = True needs a session")
+def test_a_waiter_woken_as_it_is_cancelled_passes_the_wake_up_on(settings):
+    """Two coroutines wait for a lock; its release NOTIFYs once, and the loop's listener
+    wakes one of them, the one waiting longest, which is cancelled in the same loop round
+    (a task.cancel() or an asyncio.timeout deadline meeting the wake-up). Nobody else
+    will announce the free lock, so the cancelled waiter must hand its wake-up to the
+    other one, which gets the lock at once: the pauses here are 30-60 s, and the test
+    waits 10 s."""
+    if connection.vendor != "postgresql":
+        pytest.skip("LISTEN/NOTIFY wake-ups are PostgreSQL's")
+    settings.DISTLOCK_WAKEUPS = True
+    settings.DISTLOCK_POLL_INTERVAL = 60
+    settings.DISTLOCK_POLL_MAX_INTERVAL = 60
+    name = "cancel:woken-passes-on"
+
+    async def body():
+        loop = asyncio.get_running_loop()
+
+        def waiting() -> int:
+            listener = async_wakeups._listeners.get(loop, {}).get("default")
+            state = None if listener is None else listener.channels.get(name)
+            return 0 if state is None else len(state.waiting)
+
+        holder = await aacquire(name, ttl=120)
+        first = asyncio.create_task(aacquire(name, ttl=30, timeout=100))
+        await wait_for(lambda: waiting() == 1, what="the first waiter waits for a wake-up")
+        second = asyncio.create_task(aacquire(name, ttl=30, timeout=100))
+        await wait_for(lambda: waiting() == 2, what="the second waiter waits for a wake-up")
+        woken_with: list[int] = []
+
+        def cancel_the_woken(name_channel: str) -> None:
+            if not woken_with:
+                # The longest-waiting one was woken: the second still waits.
+                woken_with.append(waiting())
+                first.cancel()
+
+        with after_each_dispatch(cancel_the_woken) as dispatched:
+            assert await holder.arelease() is True
+            done, _ = await asyncio.wait({second}, timeout=10)
+        assert woken_with == [1], f"not one waiter woken by the release: {woken_with}"
+        assert first.done() and first.cancelled()
+        assert second in done, (
+            f"the wake-up was lost with the cancelled waiter (dispatched: {dispatched})")
+        lease = second.result()
+        assert lease.token == holder.token + 1
+        assert await lease.arelease() is True
+
+    run_async(body, seconds=40)
 
 
 # -- Django's Tasks framework: an async task function runs under alock ----------------------

@@ -458,3 +458,47 @@ def test_the_wire_cursor_follows_a_client_encoding_set_on_the_session(settings):
         with connection.cursor() as cursor:
             cursor.execute("SET client_encoding TO 'UTF8'")
     assert acquire(name, ttl=30).token == 3
+
+
+@postgresql_only
+@pytest.mark.no_pooler("a SET on the session must stay on it")
+@pytest.mark.parametrize("encoding", ["LATIN1", "WIN1252"])
+def test_the_wire_cursor_reads_holders_in_a_client_encoding_set_on_the_session(
+    settings, encoding
+):
+    """The read side of the test above: the acquire statement returns a holder (the expired
+    lease's one a take-over names, the current one a refusal names), and after ``SET
+    client_encoding`` the server sends it in the new encoding. psycopg's text loaders
+    decode in the encoding they were made in, so loaders made while the session spoke
+    UTF-8 would misread it (or fail on it): the holder must come back as written."""
+    from distlock import lock_status, signals
+    from distlock.core.grants import Request, try_once
+
+    settings.DISTLOCK_PREPARE_STATEMENTS = True
+    name = "holders:é"
+    # The acquire statement prepared, and its columns read, in UTF-8 first.
+    acquire(name, ttl=30).release()
+    expired_holders: list[str] = []
+
+    def record(sender, lease, took_over, **kwargs):
+        expired_holders.append(took_over)
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET client_encoding TO '{encoding}'")
+    signals.lock_acquired.connect(record, weak=False)
+    try:
+        stale = acquire(name, ttl=0.05, holder="alte Inhaberin é ü")
+        wait_expired(name)
+        newer = acquire(name, ttl=30, holder="neuer Inhaber ü é")
+        assert isinstance(backend_for(connection).statement_cursor(connection), WireCursor)
+        # The take-over read the expired lease's holder back.
+        assert expired_holders[-1] == stale.holder
+        # A refusal reads the current holder.
+        refused = try_once(Request(name, 30, False, None, None, ""))
+        assert getattr(refused, "holder", None) == newer.holder
+        assert lock_status(name).holder == newer.holder
+        assert newer.release() is True
+    finally:
+        signals.lock_acquired.disconnect(record)
+        with connection.cursor() as cursor:
+            cursor.execute("SET client_encoding TO 'UTF8'")

@@ -20,8 +20,17 @@ from django.db import connection
 from distlock import aacquire, acquire, break_lock
 from distlock.conf import DEFAULTS
 from distlock.db import db_now_us
+from distlock.waiting import listener as async_wakeups
+from tests.support.helpers import (
+    after_each_dispatch,
+    off_loop,
+    run_async,
+    sync_layer_tries,
+    us,
+    wait_for,
+    wait_until,
+)
 from tests.support.helpers import raw_postgres as _raw
-from tests.support.helpers import run_async, us, wait_until
 from tests.support.pgbouncer import ENTRY_CLASS, QUEUE_CLASS, WAKEUP_CLASS
 
 pytestmark = [
@@ -557,6 +566,69 @@ def test_an_async_waiter_gets_a_stopped_waiters_lock_only_when_the_window_ends(c
     finally:
         raw.close()
     assert waiter.finish() == 0
+
+
+
+# Between a waiting coroutine's refused try and its wait for a wake-up, a release is
+# announced to nobody. The two tests below release in that gap, by holding the refused
+# try in Django's sync layer (sync_layer_tries); the pauses are 30-60 s, so a wake-up
+# lost there shows as no grant within the tests' 10 s.
+ASYNC_POLL = 60
+
+
+@pytest.mark.no_pooler("the LISTEN connection of DISTLOCK_WAKEUPS = True needs a session")
+def test_a_release_between_the_refused_try_and_the_listen_is_not_missed(settings):
+    """The coroutine's first try is refused; the lock is released before its LISTEN has
+    been sent, so the release notifies nobody. Once the LISTEN took effect the
+    coroutine must look again at once: it gets the lock without any wake-up."""
+    settings.DISTLOCK_WAKEUPS = True
+    settings.DISTLOCK_POLL_INTERVAL = settings.DISTLOCK_POLL_MAX_INTERVAL = ASYNC_POLL
+    holder = acquire("gap:listen", ttl=120)
+
+    async def body() -> tuple[int, list[str]]:
+        with sync_layer_tries(hold=1) as gate, after_each_dispatch() as dispatched:
+            task = asyncio.create_task(aacquire("gap:listen", ttl=30, timeout=100))
+            await wait_for(gate.holding.is_set, what="the first try refused")
+            assert await off_loop(holder.release) is True
+            gate.let_go()
+            done, _ = await asyncio.wait({task}, timeout=10)
+            assert task in done, "the release before the LISTEN was missed until a poll"
+            lease = task.result()
+            woken = list(dispatched)
+        assert await lease.arelease() is True
+        return lease.token, woken
+
+    token, woken = run_async(body, seconds=40)
+    assert token == holder.token + 1
+    assert woken == [], f"the release was announced after all: {woken}"
+
+
+@pytest.mark.no_pooler("the LISTEN connection of DISTLOCK_WAKEUPS = True needs a session")
+def test_a_release_announced_while_every_async_waiter_tries_is_not_lost(settings):
+    """The only waiting coroutine listens and is inside its try (refused, not yet waiting
+    again) when the release's NOTIFY reaches the loop: there is no waiter to wake. The
+    wake-up must be kept for the next one to wait, so the coroutine tries again at once
+    and gets the lock, instead of sleeping through a release it was told of."""
+    settings.DISTLOCK_WAKEUPS = True
+    settings.DISTLOCK_POLL_INTERVAL = settings.DISTLOCK_POLL_MAX_INTERVAL = ASYNC_POLL
+    holder = acquire("gap:trying", ttl=120)
+    channel = async_wakeups.channel("gap:trying")
+
+    async def body() -> int:
+        # The second refused try: the one right after the LISTEN took effect.
+        with sync_layer_tries(hold=2) as gate, after_each_dispatch() as dispatched:
+            task = asyncio.create_task(aacquire("gap:trying", ttl=30, timeout=100))
+            await wait_for(gate.holding.is_set, what="the try after the LISTEN refused")
+            assert await off_loop(holder.release) is True
+            await wait_for(lambda: channel in dispatched, what="the release announced")
+            gate.let_go()
+            done, _ = await asyncio.wait({task}, timeout=10)
+            assert task in done, "the release announced during the try was lost"
+            lease = task.result()
+        assert await lease.arelease() is True
+        return lease.token
+
+    assert run_async(body, seconds=40) == holder.token + 1
 
 
 # -- the edges (issue 27): a session's own timeouts, and a stopped waiter anywhere ---------

@@ -145,7 +145,9 @@ def run_async(make: Callable[[], Awaitable[T]], seconds: float = 60.0) -> T:
 
     Django's sync layer runs the coroutine's database work in a thread of its own
     (asgiref's thread-sensitive executor): its connections are closed before this
-    returns, as a request's are at its end.
+    returns, as a request's are at its end. So is the loop's LISTEN connection of
+    async wake-ups, also when ``make()`` fails with tasks still waiting
+    (:func:`_settle_the_loop`).
     """
 
     async def main() -> T:
@@ -153,9 +155,39 @@ def run_async(make: Callable[[], Awaitable[T]], seconds: float = 60.0) -> T:
             async with asyncio.timeout(seconds):
                 return await make()
         finally:
-            await sync_to_async(connections.close_all)()
+            try:
+                async with asyncio.timeout(30):
+                    await _settle_the_loop()
+            finally:
+                await sync_to_async(connections.close_all)()
 
     return asyncio.run(main())
+
+
+async def _settle_the_loop() -> None:
+    """End the tasks a test's coroutine left behind, and what their ends start.
+
+    asyncio.run cancels the tasks left at its end, but not the tasks their cancellation
+    starts: a waiter that leaves unregisters its name in a task of the loop's wake-up
+    listener, which closes the LISTEN connection when no name is left. Left pending, that
+    connection stays open after the loop is gone (a session that keeps the test database
+    from being dropped, a LISTEN that makes releases notify). So: cancel the leftovers and
+    wait for them, then for the listener's own tasks, then close a connection still open.
+    """
+    from distlock.waiting import listener
+
+    current = asyncio.current_task()
+    leftovers = [task for task in asyncio.all_tasks() if task is not current]
+    for task in leftovers:
+        task.cancel()
+    await asyncio.gather(*leftovers, return_exceptions=True)
+    for per_alias in listener._listeners.get(asyncio.get_running_loop(), {}).values():
+        while per_alias.tasks:
+            await asyncio.gather(*per_alias.tasks, return_exceptions=True)
+        if per_alias.raw is not None:
+            per_alias._unwatch()
+            raw, per_alias.raw = per_alias.raw, None
+            await raw.close()
 
 
 def released(name: str, timeout: float = 10.0) -> Any:
@@ -333,3 +365,81 @@ def raise_in_main_thread(
         signal.signal(signal.SIGUSR1, previous)
     if failed:
         raise failed[0]
+
+
+class TryGate:
+    """Holds one refused try of the async API in Django's sync layer, after the database
+    answered and before the coroutine sees the answer, until :meth:`let_go`.
+
+    The async acquire's tries (``distlock.core.async_locks._attempt``) are counted as the
+    database refuses them; the ``hold``-th one is held. Meanwhile the event loop runs on
+    (the coroutine awaits its try), so a test can release the lock from another thread
+    exactly in the gap between a refused try and what the waiter does next.
+    """
+
+    def __init__(self, hold: int, timeout: float = 30.0) -> None:
+        self.hold = hold
+        self.timeout = timeout
+        self.refused = 0
+        self.holding = threading.Event()
+        self.go_on = threading.Event()
+
+    def wrap(self, attempt: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``attempt`` with the gate after it (it runs in the sync layer's thread)."""
+        from distlock.backends.results import Busy
+
+        def gated(request: Any) -> Any:
+            result = attempt(request)
+            if isinstance(result, Busy):
+                self.refused += 1
+                if self.refused == self.hold:
+                    self.holding.set()
+                    # Bounded: a test that fails meanwhile must not leave the thread stuck.
+                    self.go_on.wait(self.timeout)
+            return result
+
+        return gated
+
+    def let_go(self) -> None:
+        """Let the held try return its refusal to the coroutine."""
+        self.go_on.set()
+
+
+@contextlib.contextmanager
+def sync_layer_tries(hold: int) -> Iterator[TryGate]:
+    """While the block runs, the async API's ``hold``-th refused try is held by a
+    :class:`TryGate` (let go at the latest when the block ends)."""
+    from distlock.core import async_locks
+
+    gate = TryGate(hold)
+    original = async_locks._attempt
+    async_locks._attempt = gate.wrap(original)
+    try:
+        yield gate
+    finally:
+        gate.let_go()
+        async_locks._attempt = original
+
+
+@contextlib.contextmanager
+def after_each_dispatch(then: Callable[[str], object] | None = None) -> Iterator[list[str]]:
+    """While the block runs, record each wake-up the async LISTEN connections dispatch
+    (:meth:`distlock.waiting.listener._Listener.dispatch`: a release's NOTIFY, or a
+    wake-up passed on), by its channel, and call ``then(channel)`` right after it, in the
+    same round of the event loop: nothing else runs between the wake-up and ``then``."""
+    from distlock.waiting import listener
+
+    seen: list[str] = []
+    original = listener._Listener.dispatch
+
+    def dispatch(self: listener._Listener, name_channel: str) -> None:
+        original(self, name_channel)
+        seen.append(name_channel)
+        if then is not None:
+            then(name_channel)
+
+    listener._Listener.dispatch = dispatch
+    try:
+        yield seen
+    finally:
+        listener._Listener.dispatch = original
