@@ -34,11 +34,12 @@ import pytest
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock import acquire, break_lock, signals
+from distlock import LockLost, acquire, break_lock, signals
 from distlock.backends import backend_for
 from distlock.backends.results import Grant
 from distlock.constants import LOCK_TABLE
 from distlock.core.leases import Lease
+from distlock.db import db_now_us
 from distlock.models import Lock
 from tests.support.helpers import us, wait_until
 
@@ -250,3 +251,32 @@ def test_the_holders_timer_starts_before_a_long_round_trip(operation):
     row = Lock.objects.get(name="race:timer")
     assert row.token == lease.token
     assert lease.release() is True
+
+
+def test_a_renewal_waiting_for_the_row_past_the_lease_s_end_is_refused():
+    """A renewal waits for the lock row while another renewal of the same lease (say, by
+    another thread of the holder) shortens it to 0.3 s in the transaction that holds the
+    row, which commits only after the database clock has passed that end. The waiting
+    renewal must judge by a clock read after its wait: refused as expired, changing
+    nothing. A clock read when it arrived — before its locking read, or PostgreSQL's
+    ``now()``, frozen at the statement's start — came before the short renewal was even
+    made, so it would renew a lease that had ended (anyone could have been granted the
+    lock in between). However late the renewal starts, its arrival precedes that end."""
+    name = "race:renew-late"
+    lease = acquire(name, ttl=30)
+    with holding_row(name) as held:
+        renewer = Contender(lambda: lease.renew(ttl=30))
+        renewer.start()
+        renewer.wait_blocked()
+        short = held.backend.renew(held.cursor, name, lease.owner, lease.token, 300_000)
+        assert isinstance(short, Grant)
+        wait_until(lambda: db_now_us("default") > short.expires_us, 10,
+                   "the shortened lease's end by the database clock")
+        assert renewer.is_alive(), "the renewal did not wait for the row"
+        held.commit()
+    with pytest.raises(LockLost, match="expired"):
+        renewer.result()
+    row = Lock.objects.get(name=name)
+    assert (row.owner, row.token) == (lease.owner, lease.token)
+    assert (row.expires_us, row.renew_count) == (short.expires_us, 1), (
+        "the ended lease was renewed")

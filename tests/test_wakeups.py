@@ -19,6 +19,7 @@ from django.db import connection
 
 from distlock import aacquire, acquire, break_lock
 from distlock.conf import DEFAULTS
+from distlock.constants import MAX_TOKEN
 from distlock.db import db_now_us
 from distlock.waiting import listener as async_wakeups
 from tests.support.helpers import (
@@ -279,6 +280,45 @@ def test_a_paused_waiter_holds_the_handed_lock_only_for_the_window(children):
     assert waiter.finish() == 0
 
 
+@pytest.mark.no_pooler("plays a waiter by hand: LISTEN and session advisory locks")
+def test_a_try_refused_in_a_hand_off_window_is_told_the_window_s_rest():
+    """A release hands the lock to a queued waiter (a session playing one by hand): a try
+    by anyone else inside the window is refused with nobody named as the holder (a
+    hand-off, ``handed_over``) and told the rest of the window as its time left: what a
+    polling waiter sleeps until, so that it tries again just as the window ends. The
+    released lease's rest, long past, would have it try again at once, over and over, for
+    the whole window; nothing at all would have it sleep its whole poll."""
+    from distlock.backends.results import Busy
+    from distlock.core.grants import Request, try_once
+
+    holder = acquire("window-rest", ttl=60)
+    raw, waiter = _raw(), _raw()
+    try:
+        queued = waiter.execute(
+            "SELECT queued FROM distlock_enqueue('window-rest', true, 0, 1)").fetchone()[0]
+        assert holder.release() is True
+        reserved_pid, until_us = _reservation(raw, "window-rest")
+        assert reserved_pid == waiter.info.backend_pid and until_us > 0
+        # The window is 1 s: stretched to 30 s, so that the try below falls inside it
+        # however loaded the machine (the try reads the window, not how it was made).
+        until_us += 29_000_000
+        raw.execute("UPDATE distlock_lock SET reserved_until_us = %s "
+                    "WHERE name = 'window-rest'", [until_us])
+        before_us = db_now_us("default")
+        busy = try_once(Request("window-rest", 30, False, 0, None, ""))
+        after_us = db_now_us("default")
+        assert isinstance(busy, Busy) and busy.handed_over, busy
+        assert busy.remaining_us is not None
+        assert until_us - after_us <= busy.remaining_us <= until_us - before_us, (
+            f"told {busy.remaining_us / 1e6:.3f} s left, with "
+            f"{(until_us - after_us) / 1e6:.3f} s of the window left")
+        waiter.execute("SELECT distlock_leave('window-rest', %s)", [queued])
+        assert _reservation(raw, "window-rest") == (0, 0), "the leave kept the reservation"
+    finally:
+        waiter.close()
+        raw.close()
+
+
 # The waiters' DISTLOCK_POLL_MAX_INTERVAL: their first poll comes 30 s or more after they
 # queue, so every grant in these tests is a wake-up.
 POLL_OFF = 60.0
@@ -412,6 +452,115 @@ def test_ctrl_c_behind_another_waiter_leaves_the_queue_clean(children):
     finally:
         raw.close()
     for worker in workers:
+        assert worker.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+@pytest.mark.parametrize("listeners", [
+    pytest.param(1, id="next-behind-it"),
+    pytest.param(None, id="next-listening"),
+])
+def test_a_waiter_interrupted_with_the_hand_off_passes_it_to_the_next(children, listeners):
+    """Three queued waiters: one played by hand ahead, then two processes, the first of
+    them waiting behind the one ahead (a chain), the second behind it or listening (the
+    default). The one ahead is handed the lock and releases it still queued, so the
+    release hands the lock to the first process while it waits behind that entry. SIGINT
+    (Ctrl-C) cancels its wait: it leaves without the grant, and hands its reservation on.
+    The second process is handed the lock at once (notified, or woken by the leaver's
+    entry and finding the lock reserved for it), not left to wait out the window and then
+    its poll (POLL_OFF: 30 s or more). Both lines-up: a leave that kept the reservation
+    strands either; one that only cleared it, waking nobody, strands the listening one."""
+    name = f"pass-on-{listeners}"
+    holder = acquire(name, ttl=60)
+    raw, ahead = _raw(), _raw()
+    try:
+        first_entry = ahead.execute(
+            "SELECT queued FROM distlock_enqueue(%s, true, 0, 1)", [name]).fetchone()[0]
+        leaver = children.start(IN_LINE, name, 1, 120.0, "", POLL_OFF, 1)
+        leaver_pid = leaver.expect("ready", timeout=60)["backend_pid"]
+        leaver.send("go")
+        wait_until(lambda: _behind(raw).get(leaver_pid) == first_entry, 30,
+                   "the first process waits behind the entry ahead")
+        following = children.start(IN_LINE, name, 1, 120.0, "", POLL_OFF, listeners)
+        following_pid = following.expect("ready", timeout=60)["backend_pid"]
+        following.send("go")
+        wait_until(lambda: len(_queued(raw, name)) == 3, 30, "the second process queued")
+        assert _queued(raw, name)[1:] == [leaver_pid, following_pid]
+        leaver_entry = _entries(raw, name)[1][0]
+        if listeners == 1:
+            wait_until(lambda: _behind(raw).get(following_pid) == leaver_entry, 30,
+                       "the second process waits behind the first")
+        else:
+            assert following_pid not in _behind(raw), "a short queue's second waiter listens"
+        # The one ahead: handed the lock, granted, and released before it left the queue.
+        assert holder.release() is True
+        assert _reservation(raw, name)[0] == ahead.info.backend_pid
+        owner = "by-hand-" + name
+        status, token = ahead.execute(
+            "SELECT status, token FROM distlock_acquire(%s, %s, 'ahead', 60000000, %s)",
+            [name, owner, MAX_TOKEN]).fetchone()
+        assert status == "granted" and token == holder.token + 1
+        assert ahead.execute("SELECT held FROM distlock_release(%s, %s, %s, true)",
+                             [name, owner, token]).fetchone()[0] is True
+        assert _reservation(raw, name)[0] == leaver_pid, "not handed to the first process"
+        assert _behind(raw).get(leaver_pid) == first_entry, "the first process moved"
+        leaver.signal(signal.SIGINT)
+        leaver.expect("interrupted", timeout=60)
+        assert _holds_nothing(raw, leaver_pid)
+        # Reserved for the next one now (0: it was granted already), not kept by the leaver.
+        assert _reservation(raw, name)[0] in (following_pid, 0), "the leaver kept it"
+        got = following.expect("acquired", timeout=60)
+        assert got["token"] == token + 1
+        waits = following.expect("done", timeout=60)["waits"]
+        assert waits.get("waited", 0) + waits.get("timed out", 0) == 0, (
+            f"{waits}: the next waiter got the lock by its poll, not by the hand-off")
+        ahead.execute("SELECT distlock_leave(%s, %s)", [name, first_entry])
+        assert _queued(raw, name) == []
+    finally:
+        ahead.close()
+        raw.close()
+    assert following.finish() == 0
+    assert leaver.finish() == 0
+
+
+@pytest.mark.processes
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiters queue on sessions of their own")
+def test_a_waiter_handed_the_lock_too_late_queues_again_at_the_back(children):
+    """Two queued waiters, the second behind the first; the first is SIGSTOPped as a
+    release hands it the lock, its window runs out and the test takes the lock. Let go
+    on, the first finds its hand-off came too late (refused) and queues again, at the
+    back: behind the second, which is handed the lock first; then the first is handed it
+    in its turn, by a wake-up, not by its poll (POLL_OFF: 15 s or more, the test's
+    lease's rest)."""
+    holder = acquire("late", ttl=60)
+    raw = _raw()
+    try:
+        first, second = _line_up(children, raw, "late", 2, 1, poll=POLL_OFF)
+        pids = _queued(raw, "late")
+        first.signal(signal.SIGSTOP)
+        try:
+            assert holder.release() is True
+            assert _reservation(raw, "late")[0] == pids[0]
+            lease = wait_until(lambda: acquire("late", ttl=30, blocking=False), 30,
+                               "the window ended")
+        finally:
+            first.signal(signal.SIGCONT)
+        assert lease.token == holder.token + 1
+        wait_until(lambda: _queued(raw, "late") == [pids[1], pids[0]]
+                   and _chained(raw, "late", [pids[1], pids[0]]), 30,
+                   "the late waiter queued again, behind the second")
+        assert lease.release() is True
+        assert second.expect("acquired", timeout=60)["token"] == lease.token + 1
+        assert first.expect("acquired", timeout=60)["token"] == lease.token + 2
+        for worker in (first, second):
+            waits = worker.expect("done", timeout=60)["waits"]
+            assert waits.get("waited", 0) + waits.get("timed out", 0) == 0, (
+                f"{waits}: a waiter was served by its poll, not woken")
+        assert _queued(raw, "late") == []
+    finally:
+        raw.close()
+    for worker in (first, second):
         assert worker.finish() == 0
 
 
