@@ -509,6 +509,12 @@ def test_a_waiter_interrupted_with_the_hand_off_passes_it_to_the_next(children, 
                              [name, owner, token]).fetchone()[0] is True
         assert _reservation(raw, name)[0] == leaver_pid, "not handed to the first process"
         assert _behind(raw).get(leaver_pid) == first_entry, "the first process moved"
+        # The window is 1 s: stretched to 30 s, so that the leaver still holds the
+        # reservation when its Ctrl-C arrives, however loaded the machine (a window that
+        # ran out first leaves nothing to pass on, and the next waiter polls: it failed so
+        # once in the mutation check's parallel runs).
+        raw.execute("UPDATE distlock_lock SET reserved_until_us = reserved_until_us + "
+                    "30000000 WHERE name = %s AND reserved_pid = %s", [name, leaver_pid])
         leaver.signal(signal.SIGINT)
         leaver.expect("interrupted", timeout=60)
         assert _holds_nothing(raw, leaver_pid)
@@ -566,6 +572,45 @@ def test_a_waiter_handed_the_lock_too_late_queues_again_at_the_back(children):
         raw.close()
     for worker in (first, second):
         assert worker.finish() == 0
+
+
+def test_an_interrupt_as_the_enqueue_returns_leaves_no_place_in_the_queue(monkeypatch):
+    """A Ctrl-C (or a soft time limit) that lands just after distlock_enqueue committed,
+    before the waiter knows its entry: nobody holds that waiter to stop it, so it ends its
+    session itself. Else the session, alive in the user's shell, would keep its place:
+    every release would hand the lock to it and wait out the window."""
+    from distlock.waiting.queue import Waiter
+
+    queue = Waiter._queue
+    calls: list[bool] = []
+
+    def interrupted_on_return(self: Waiter, first: bool) -> bool:
+        queue(self, first)
+        calls.append(first)
+        raise KeyboardInterrupt
+
+    holder = acquire("interrupted-enqueue", ttl=60)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    monkeypatch.setattr(Waiter, "_queue", interrupted_on_return)
+    raw = _raw()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            acquire("interrupted-enqueue", ttl=60, timeout=30)
+        assert calls == [True]
+        # A closed session's backend ends a moment after the client closed it; its row
+        # stays until a release skips it (its "alive" lock is free), as a killed waiter's.
+        wait_until(lambda: raw.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                                       [pid]).fetchone()[0] == 0, 10, "the session ended")
+        assert raw.execute("SELECT count(*) FROM pg_locks WHERE pid = %s",
+                           [pid]).fetchone()[0] == 0
+    finally:
+        raw.close()
+    assert holder.release() is True
+    # Nothing reserved the lock for the session that is gone: the next try gets it.
+    again = acquire("interrupted-enqueue", ttl=5, blocking=False)
+    assert again is not None and again.release() is True
 
 
 # -- the seam: the first waiters listen, those further back wait in the chain -------------

@@ -78,7 +78,16 @@ class Waiter:
         # Did the lock look free once queued (freed before the entry could be seen)?
         self.free = False
         if conf.WAKEUPS and self.backend.supports_wakeups():
-            self.free = self._queue(True)
+            try:
+                self.free = self._queue(True)
+            except BaseException:
+                # An interrupt (Ctrl-C, a soft time limit) may land after distlock_enqueue
+                # committed and before its entry is known here: the session would keep
+                # the queue's session-level locks and its place, and no caller holds this
+                # Waiter to stop it. Only the session's end gives them back for sure.
+                with contextlib.suppress(Exception):
+                    self.connection.close()
+                raise
             if self.entry:
                 self.raw = self.connection.connection
 
