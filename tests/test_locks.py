@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import DatabaseError, connection, connections, transaction
@@ -22,10 +23,13 @@ from distlock import (
     purge_locks,
 )
 from distlock.backends import backend_for
+from distlock.backends.results import Busy
 from distlock.constants import PURGE_REST_MAX
+from distlock.core import locks as core_locks
 from distlock.core.purge import purge_batches
 from distlock.db import db_now_us
 from distlock.models import Lock, TokenFloor
+from tests.support.helpers import us
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -134,6 +138,70 @@ def test_blocking_acquire_gets_the_lock_when_released():
     holder.release()
     waiter.join(15)
     assert got and got[0] is not None and got[0].token == holder.token + 1
+
+
+# A back-off pause far longer than any bound below: a pause that ignored the holder's
+# expiry or the acquire's deadline is 15-30 s (jittered down to half), noticed by seconds.
+LONG_BACK_OFF = 30.0
+
+
+def _long_back_off(settings: Any) -> None:
+    settings.DISTLOCK_POLL_INTERVAL = LONG_BACK_OFF
+    settings.DISTLOCK_POLL_MAX_INTERVAL = LONG_BACK_OFF
+    # PostgreSQL too: the polling pause of every backend, not a queued waiter's LISTEN.
+    settings.DISTLOCK_WAKEUPS = False
+
+
+def test_a_polling_waiter_wakes_just_after_the_holders_expiry(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that never releases (hung, killed) keeps a waiter for its ttl, not for a
+    whole back-off pause after it: a refused try says how long the holder's lease has left
+    by the database's count, and the pause ends just after that. Measured by the database
+    clock, from the holder's expiry to the waiter's grant; the waiter's pauses are
+    recorded (the real function, called through) to know its first try was refused."""
+    _long_back_off(settings)
+    pauses: list[float] = []
+    pause_before_retry = core_locks.pause_before_retry
+
+    def recorded(attempt: int, busy: Busy, left: float | None) -> float:
+        pause = pause_before_retry(attempt, busy, left)
+        pauses.append(pause)
+        return pause
+
+    monkeypatch.setattr(core_locks, "pause_before_retry", recorded)
+    holder = acquire("wake-at-expiry", ttl=3)
+    lease = acquire("wake-at-expiry", ttl=30, timeout=120)
+    assert pauses, "the waiter's first try was not refused: it never waited"
+    assert lease is not None and lease.token == holder.token + 1
+    late = us(lease.acquired_at) - us(holder.expires_at)
+    # 3 s: scheduling on a loaded machine; a pause that ignored the expiry is 12 s late.
+    assert 0 <= late < 3_000_000, f"granted {late / 1e6:.3f} s after the holder's expiry"
+    assert lease.release() is True
+
+
+@pytest.mark.parametrize("form", ["acquire", "lock"])
+def test_a_blocking_acquire_gives_up_at_its_timeout_however_long_the_back_off(
+    settings: Any, form: str
+) -> None:
+    """``timeout`` bounds the wait, pauses included: with a back-off far longer than the
+    timeout, ``acquire`` returns None (``lock`` raises LockTimeout) about ``timeout``
+    seconds after the call, not after the pause it would have slept."""
+    _long_back_off(settings)
+    holder = acquire("give-up", ttl=120)
+    started = time.monotonic()
+    if form == "acquire":
+        assert acquire("give-up", ttl=30, timeout=1) is None
+    else:
+        with pytest.raises(LockTimeout), lock("give-up", ttl=30, timeout=1):
+            pass
+    waited = time.monotonic() - started
+    # 1 s at least (it waited its timeout); 8 s: a loaded machine, far below the 15 s of
+    # the shortest pause that ignored the deadline.
+    assert 1.0 <= waited < 8.0, f"gave up after {waited:.3f} s"
+    row = Lock.objects.get(name="give-up")
+    assert (row.owner, row.token) == (holder.owner, holder.token)
+    assert holder.release() is True
 
 
 def test_lock_context_sets_current_lease_and_releases_on_error():

@@ -13,7 +13,15 @@ decide on the row as committed, never on what it read before the wait:
 - an acquire that waited behind a short grant (less than a second left) is refused
   (PostgreSQL's ``distlock_acquire`` decides again after its row lock, where a plain read
   before the wait had seen the lock free);
-- a holder's local deadline counts from before a long round trip, not after it.
+- a holder's local deadline counts from before a long round trip, not after it;
+- a purge whose delete waited behind a grant and release of a row it found idle keeps
+  that row (its token is above the floor the purge committed), so the name never comes
+  back with the token of that grant.
+
+The token floor's share lock is the other way round: a first use of a name, stopped
+between its floor read and its insert (a test-only trigger holds its insert at a gate), is
+what a purge must wait for, or a name created, freed and purged meanwhile comes back
+with a token it already had.
 
 On SQLite nothing can show that a connection waits for the write lock, so the operation
 is only known to have *started* after the holder took the lock. Every operation there
@@ -27,21 +35,30 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+<<<<<<< HEAD
 from distlock import LockLost, acquire, break_lock, signals
+=======
+from distlock import acquire, break_lock, purge_locks, signals
+>>>>>>> t35b
 from distlock.backends import backend_for
 from distlock.backends.results import Grant
-from distlock.constants import LOCK_TABLE
+from distlock.constants import FLOOR_ID, LOCK_TABLE
 from distlock.core.leases import Lease
+<<<<<<< HEAD
 from distlock.db import db_now_us
 from distlock.models import Lock
 from tests.support.helpers import us, wait_until
+=======
+from distlock.models import Lock, TokenFloor
+from tests.support.helpers import lock_waits, us, wait_until
+>>>>>>> t35b
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -253,6 +270,7 @@ def test_the_holders_timer_starts_before_a_long_round_trip(operation):
     assert lease.release() is True
 
 
+<<<<<<< HEAD
 def test_a_renewal_waiting_for_the_row_past_the_lease_s_end_is_refused():
     """A renewal waits for the lock row while another renewal of the same lease (say, by
     another thread of the holder) shortens it to 0.3 s in the transaction that holds the
@@ -280,3 +298,158 @@ def test_a_renewal_waiting_for_the_row_past_the_lease_s_end_is_refused():
     assert (row.owner, row.token) == (lease.owner, lease.token)
     assert (row.expires_us, row.renew_count) == (short.expires_us, 1), (
         "the ended lease was renewed")
+=======
+# -- the token floor and purge: a first use, a purge, and a grant between them -------------
+
+# A test-only gate inside a first use: a BEFORE INSERT trigger on the lock table that, for
+# a row whose holder says "gated", takes a share lock on the one row of a gate table. While
+# the test holds that row FOR UPDATE, such an insert waits there: after the first use has
+# read the token floor, before its row exists.
+_GATE_SQL = {
+    "postgresql": [
+        "CREATE TABLE distlock_test_gate (id integer PRIMARY KEY)",
+        "INSERT INTO distlock_test_gate VALUES (1)",
+        """CREATE FUNCTION distlock_test_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM distlock_test_gate WHERE id = 1 FOR SHARE;
+    RETURN NEW;
+END $$""",
+        f"""CREATE TRIGGER distlock_test_gate BEFORE INSERT ON {LOCK_TABLE} FOR EACH ROW
+    WHEN (NEW.holder LIKE '%gated%') EXECUTE FUNCTION distlock_test_gate()""",
+    ],
+    "mysql": [
+        "CREATE TABLE distlock_test_gate (id INT PRIMARY KEY) ENGINE=InnoDB",
+        "INSERT INTO distlock_test_gate VALUES (1)",
+        f"""CREATE TRIGGER distlock_test_gate BEFORE INSERT ON {LOCK_TABLE} FOR EACH ROW
+BEGIN
+    DECLARE v_gate INT;
+    IF NEW.holder LIKE '%gated%' THEN
+        SELECT id INTO v_gate FROM distlock_test_gate WHERE id = 1 LOCK IN SHARE MODE;
+    END IF;
+END""",
+    ],
+}
+_UNGATE_SQL = {
+    "postgresql": [
+        f"DROP TRIGGER IF EXISTS distlock_test_gate ON {LOCK_TABLE}",
+        "DROP FUNCTION IF EXISTS distlock_test_gate()",
+        "DROP TABLE IF EXISTS distlock_test_gate",
+    ],
+    "mysql": [
+        "DROP TRIGGER IF EXISTS distlock_test_gate",
+        "DROP TABLE IF EXISTS distlock_test_gate",
+    ],
+}
+
+
+@pytest.fixture
+def insert_gate() -> Iterator[Callable[[], AbstractContextManager[None]]]:
+    """Install the gate (above) for the test; yields ``closed()``, a context manager that
+    holds the gate shut (its row FOR UPDATE on a connection of its own) for its block."""
+    vendor = connections["default"].vendor
+    if vendor == "sqlite":
+        pytest.skip(
+            "SQLite has one writer: a first use holds the write lock from its floor read to "
+            "its commit, so no purge can come between them"
+        )
+    with connections["default"].cursor() as cursor:
+        for sql in _GATE_SQL[vendor]:
+            cursor.execute(sql)
+
+    @contextmanager
+    def closed() -> Iterator[None]:
+        connection = connections.create_connection("default")
+        connection.set_autocommit(False)
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT id FROM distlock_test_gate WHERE id = 1 FOR UPDATE")
+            yield
+        finally:
+            connection.rollback()
+            connection.close()
+
+    try:
+        yield closed
+    finally:
+        with connections["default"].cursor() as cursor:
+            for sql in _UNGATE_SQL[vendor]:
+                cursor.execute(sql)
+
+
+def _waits_for_the_floor(purger: Contender) -> bool:
+    """Does the purge wait for a lock (the floor's, here) beside the gated first use?"""
+    if connections["default"].vendor == "postgresql":
+        # By count, not by pid (see Contender.waiting): the first use waits at the gate.
+        return lock_waits() >= 2
+    return purger.waiting()
+
+
+def test_a_purge_waits_for_a_first_use_between_its_floor_read_and_its_insert(insert_gate):
+    """A first use of a name reads the token floor under a share lock held to its commit,
+    so a purge cannot raise the floor and delete rows while a first use is between its
+    floor read and its insert. Without it: the first use reads floor f and stops (here at
+    the gate); meanwhile another acquire creates the name with token f + 1, frees it, and
+    a purge raises the floor to f + 1 and deletes the row; the first use then inserts the
+    name with f + 1 — a token of that name issued twice (fencing lets both holders write).
+    """
+    name = "race:first-use"
+    # The floor row must exist (a flush between tests empties it): a first use that puts
+    # it back holds that row's insert to its commit, and any other first use waits for it.
+    TokenFloor.objects.update_or_create(id=FLOOR_ID, defaults={"token": 100})
+    first = Contender(lambda: acquire(name, ttl=30, holder="gated"))
+    purger = Contender(lambda: purge_locks(idle=0))
+    with insert_gate():
+        first.start()
+        first.wait_blocked()  # at the gate: it has read the floor, its row is not in yet
+        other = acquire(name, ttl=30)
+        assert other.release() is True
+        purger.start()
+        # InnoDB refreshes information_schema.innodb_trx at most every 0.1 s.
+        every = 0.15 if connections["default"].vendor == "mysql" else 0.01
+        wait_until(lambda: not purger.is_alive() or _waits_for_the_floor(purger), 10,
+                   "the purge waiting or done", every=every)
+        assert purger.is_alive(), (
+            "the purge raised the floor and deleted while a first use was between its "
+            "floor read and its insert"
+        )
+    # The gate is open: the first use goes on, then the purge.
+    lease = first.result()
+    purger.result()
+    assert other.token == 101
+    assert lease.token == other.token + 1, (
+        f"the first use got token {lease.token}, after {other.token} was granted and purged"
+    )
+    row = Lock.objects.get(name=name)
+    assert (row.owner, row.token) == (lease.owner, lease.token)
+    assert lease.release() is True
+
+
+def test_a_purge_keeps_a_name_granted_and_freed_between_its_look_and_its_delete():
+    """A purge deletes only rows at or below the floor its first step committed. A name
+    the look found idle, then granted and freed before the delete (which waits for its row
+    here), has a token above that floor: deleting it would let the name come back at
+    floor + 1, the token of the grant in between. (On SQLite the look and the delete are
+    one transaction under the write lock: the grant comes before the look, the floor
+    covers it, and the row may go.)"""
+    name = "race:purge"
+    old = acquire(name, ttl=30)
+    assert old.release() is True
+    owner = new_owner()
+    with holding_row(name) as held:
+        purger = Contender(lambda: purge_locks(idle=0))
+        purger.start()
+        purger.wait_blocked()  # looked, raised the floor to old.token; the delete waits
+        grant = held.backend.acquire_existing(held.cursor, name, owner, "between", 30_000_000)
+        assert isinstance(grant, Grant) and grant.token == old.token + 1
+        held.backend.release(held.cursor, name, owner, grant.token)
+        held.commit()
+    purged = purger.result()
+    if connections["default"].vendor != "sqlite":
+        assert purged == 0, "the purge deleted a row granted after its look"
+        assert Lock.objects.get(name=name).token == grant.token
+    again = acquire(name, ttl=30)
+    assert again.token == grant.token + 1, (
+        f"{name} came back with token {again.token} after {grant.token} was granted"
+    )
+    assert again.release() is True
+>>>>>>> t35b

@@ -30,17 +30,19 @@ from django.db import connections, transaction
 from django.test import Client
 
 from distlock import (
+    StaleToken,
     TransactionNotAllowed,
     acquire,
     break_lock,
     purge_locks,
     signals,
 )
+from distlock.core import uncommitted
 from distlock.core.leases import Lease
 from distlock.db import db_now_us
 from distlock.models import Lock
 from tests import urls
-from tests.support.helpers import run_with_deadline, wait_until
+from tests.support.helpers import expired_lock, run_with_deadline, wait_until
 from tests.testapp.models import Account, Order
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "locks"])
@@ -469,3 +471,34 @@ def test_deferred_release_after_a_rollback_frees_the_lock_and_keeps_nothing(wind
     wait_until(lambda: Lock.objects.get(name="account:3").owner == "", 10, "the release")
     assert Account.objects.get(pk=3).balance == 0
     assert Lock.objects.get(name="account:3").token == lease.token
+
+
+def test_a_deferred_release_of_a_lease_taken_over_says_it_was_not_held(window):
+    """A release deferred to the end of the caller's transaction still says whether the
+    lease was held when it was called: False for one that expired and was taken over
+    before its fenced write (refused, but its check may hold the lock row, so the release
+    is deferred all the same), and the deferred release frees nothing of the new holder's.
+    """
+    Account.objects.create(pk=4, balance=0)
+
+    def cell() -> tuple[Lease, Lease, bool]:
+        stale = expired_lock("account:4")
+        taker = acquire("account:4", ttl=30)
+        assert taker.token == stale.token + 1
+        with transaction.atomic():
+            account = Account.objects.get(pk=4)
+            account.balance = 4
+            with pytest.raises(StaleToken):
+                account.save(fence=stale)
+            assert uncommitted.holding("account:4", "locks"), (
+                "the refused write left no note: the release below would not be deferred"
+            )
+            held = stale.release()
+        return stale, taker, held
+
+    stale, taker, held = run_with_deadline(cell)
+    assert held is False, "the deferred release said a lease taken over was still held"
+    assert Account.objects.get(pk=4).balance == 0
+    row = Lock.objects.get(name="account:4")
+    assert (row.owner, row.token) == (taker.owner, taker.token)
+    assert taker.release() is True
