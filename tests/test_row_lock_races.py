@@ -42,23 +42,14 @@ import pytest
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-<<<<<<< HEAD
-from distlock import LockLost, acquire, break_lock, signals
-=======
-from distlock import acquire, break_lock, purge_locks, signals
->>>>>>> t35b
+from distlock import LockLost, acquire, break_lock, purge_locks, signals
 from distlock.backends import backend_for
 from distlock.backends.results import Grant
 from distlock.constants import FLOOR_ID, LOCK_TABLE
 from distlock.core.leases import Lease
-<<<<<<< HEAD
 from distlock.db import db_now_us
-from distlock.models import Lock
-from tests.support.helpers import us, wait_until
-=======
 from distlock.models import Lock, TokenFloor
 from tests.support.helpers import lock_waits, us, wait_until
->>>>>>> t35b
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -270,7 +261,6 @@ def test_the_holders_timer_starts_before_a_long_round_trip(operation):
     assert lease.release() is True
 
 
-<<<<<<< HEAD
 def test_a_renewal_waiting_for_the_row_past_the_lease_s_end_is_refused():
     """A renewal waits for the lock row while another renewal of the same lease (say, by
     another thread of the holder) shortens it to 0.3 s in the transaction that holds the
@@ -298,7 +288,8 @@ def test_a_renewal_waiting_for_the_row_past_the_lease_s_end_is_refused():
     assert (row.owner, row.token) == (lease.owner, lease.token)
     assert (row.expires_us, row.renew_count) == (short.expires_us, 1), (
         "the ended lease was renewed")
-=======
+
+
 # -- the token floor and purge: a first use, a purge, and a grant between them -------------
 
 # A test-only gate inside a first use: a BEFORE INSERT trigger on the lock table that, for
@@ -452,4 +443,3 @@ def test_a_purge_keeps_a_name_granted_and_freed_between_its_look_and_its_delete(
         f"{name} came back with token {again.token} after {grant.token} was granted"
     )
     assert again.release() is True
->>>>>>> t35b
