@@ -48,6 +48,7 @@ from tests.support.celery_app import (
     hold_skip,
     hold_wait,
     hold_wait_short,
+    inner_times_out,
     killable,
     late_skip,
     obj_raise,
@@ -56,6 +57,7 @@ from tests.support.celery_app import (
     obj_skip,
     obj_wait,
     obj_wait_short,
+    retry_gated,
     retry_self,
     unbound,
 )
@@ -393,6 +395,49 @@ def test_a_retried_task_releases_and_gets_a_higher_token(celery):
     assert second["token"] == first["token"] + 1 and first["owner"] != second["owner"]
     assert celery.events.all(kind="busy", task_id=task_id) == []
     assert released(f"test:{k}").token == end["token"]
+
+
+def test_a_retried_run_tries_once_more_when_its_previous_run_released_after_its_try(celery):
+    """The retried run's busy try meets its own previous run's lease; that run releases
+    *before* the retried run decides (the try waits at the test's gate meanwhile). The
+    lock is free then: the retried run tries once more and gets it, it is not contended.
+    """
+    k = key()
+    name = f"gated:{k}"
+    task_id = retry_gated.delay(k).id
+    first = celery.events.wait(kind="start", task_id=task_id)[0]
+    busy_try = celery.events.wait(kind="busy_try", task_id=task_id)[0]
+    assert (first["retries"], busy_try["retries"]) == (0, 1)
+    assert Lock.objects.get(name=name).owner == first["owner"]  # the try met the first run
+    celery.go(k)  # the first run leaves its body and releases...
+    assert released(name).token == first["token"]
+    (celery.base / f"gate-{k}").touch()  # ...and only then the retried run goes on
+    outcome = celery.events.wait(
+        task_id=task_id, where=lambda e: e["kind"] == "busy" or e["kind"] == "end")[0]
+    assert outcome["kind"] == "end", f"the retried run was called contended: {outcome}"
+    second = celery.events.all(kind="start", task_id=task_id)[1]
+    assert second["retries"] == 1 and second["token"] == first["token"] + 1
+    assert celery.events.all(kind="busy", task_id=task_id) == []
+    released(name)
+
+
+def test_a_lock_timeout_of_the_body_fails_the_task_and_is_not_contention(celery):
+    """The body's own lock times out: that LockTimeout fails the task as the body's error;
+    the decorator's policy (skip) is not applied, and the task's lock is released."""
+    k = key()
+    inner = acquire(f"test:{k}:inner", ttl=30)
+    try:
+        task_id = inner_times_out.delay(k).id
+        outcome = celery.events.wait(
+            task_id=task_id, where=lambda e: e["kind"] in ("failed", "busy"))[0]
+    finally:
+        assert inner.release() is True
+    assert outcome["kind"] == "failed", f"the body's timeout was called contention: {outcome}"
+    assert outcome["error"] == "LockTimeout" and f"test:{k}:inner" in outcome["message"]
+    assert celery.events.all(kind="busy", task_id=task_id) == []
+    assert celery.events.all(kind="end", task_id=task_id) == []
+    start = celery.events.all(kind="start", task_id=task_id)[0]
+    assert_freed_by_release(f"test:{k}", start)
 
 
 def test_a_task_whose_body_raises_releases_its_lock_at_once(celery):

@@ -24,6 +24,7 @@ from distlock import (
     lock_all,
     signals,
 )
+from distlock.db import db_now_us
 from distlock.models import Lock
 from tests.factories import AccountFactory
 from tests.support.helpers import run_async, run_with_deadline, start_thread, wait_until
@@ -106,6 +107,34 @@ def test_waiting_holds_the_names_before_the_busy_one_and_none_after(children):
     group = got["group"]
     assert group is not None and held_names() == {"a", "b", "c"}
     group.release()
+
+
+def test_a_member_left_short_by_the_wait_is_renewed_once_the_last_name_is_granted():
+    """The first member, held while the group waits for the busy second name, is left with
+    less than half its ttl: it is renewed (same token) once the last name is granted, so
+    the group does not start with a member about to lapse."""
+    ttl = 8.0
+    busy = acquire("rn:b", ttl=60)
+    got: dict[str, Any] = {}
+    thread = start_thread(
+        lambda: got.update(group=acquire_all(["rn:b", "rn:a"], ttl=ttl, timeout=30)))
+    try:
+        first = wait_until(lambda: Lock.objects.filter(name="rn:a").exclude(owner="").first(),
+                           what="rn:a taken")
+        # Under half its ttl left by the database clock (by the lease's own, conservative
+        # clock less still), with seconds to spare before it lapses.
+        wait_until(lambda: first.expires_us - db_now_us("default") < (ttl / 2 - 0.3) * 1e6,
+                   timeout=20, what="rn:a past half its ttl")
+        assert "group" not in got
+        assert busy.release() is True
+    finally:
+        thread.join(30)
+    group = got["group"]
+    row = Lock.objects.get(name="rn:a")
+    assert group["rn:a"].token == first.token == row.token, "rn:a lapsed: the group restarted"
+    assert row.renew_count == 1 and row.expires_us > first.expires_us, "rn:a was not renewed"
+    assert group.remaining() > ttl / 2
+    assert group.release() is True
 
 
 @pytest.mark.processes

@@ -16,11 +16,11 @@ from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from distlock import break_lock
+from distlock import StaleToken, acquire, break_lock
 from distlock.leader import Term, aelect, elect, run_as_leader
 from distlock.models import Lock
 from tests.factories import AccountFactory
-from tests.support.helpers import run_async, start_thread, wait_until
+from tests.support.helpers import run_async, start_thread, wait_until, waiting_in
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -84,6 +84,26 @@ def test_run_as_leader_resigns_when_the_loop_returns_and_reports_its_term():
     assert row.owner == "", "the leader did not step down"
 
 
+def test_a_stale_write_under_another_lease_is_the_loops_error_and_propagates():
+    """Only a refused write under the term's own lease ends the term quietly: one under
+    another lease (here a broken one) is the loop's own error, raised after resigning."""
+    account = AccountFactory()
+    other = acquire(account.get_fence_name(), ttl=30)
+    assert break_lock(account.get_fence_name(), by="test") is True
+    stop = threading.Event()  # set on a loss, so a wrong campaign ends after one round
+    seen: list[Any] = []
+
+    def loop(term: Term) -> None:
+        seen.append(("loop", term.token))
+        account.save(fence=other)
+
+    with pytest.raises(StaleToken):
+        run_as_leader("other-lease", loop, ttl=30, stop=stop,
+                      on_lost=lambda term: (seen.append(("lost", term.token)), stop.set()))
+    row = Lock.objects.get(name="other-lease")
+    assert seen == [("loop", row.token)] and row.owner == "", "not resigned, or called lost"
+
+
 def test_stop_ends_the_campaign_and_a_sleeping_loop_without_calling_on_lost():
     stop = threading.Event()
     rounds: list[int] = []
@@ -97,6 +117,8 @@ def test_stop_ends_the_campaign_and_a_sleeping_loop_without_calling_on_lost():
                                                 on_lost=lambda t: lost.append(t.token)))
     wait_until(lambda: Lock.objects.filter(name="stopped").exclude(owner="").exists(),
                what="elected")
+    # Asleep for up to 30 s (the ttl) when stop is set: only waking it ends it in time.
+    wait_until(lambda: waiting_in(thread, Term.sleep), what="the loop asleep in term.sleep")
     stop.set()
     thread.join(10)
     assert not thread.is_alive(), "stop did not end the campaign"
@@ -172,7 +194,8 @@ def _manage(*args: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.processes
-def test_the_leader_command_leads_until_sigterm_and_steps_down():
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_the_leader_command_leads_until_sigterm_or_sigint_and_steps_down(stop_signal):
     leader = _manage("distlock_leader", "cron", "tests.support.leader_workers.idle",
                      "--ttl", "5")
     lines: list[str] = []
@@ -191,7 +214,7 @@ def test_the_leader_command_leads_until_sigterm_and_steps_down():
         row = Lock.objects.get(name="cron")
         assert lines == [f"elected: term {row.token}"]
         assert row.owner and row.holder.endswith("distlock_leader cron")
-        leader.send_signal(signal.SIGTERM)
+        leader.send_signal(stop_signal)
         assert leader.wait(timeout=60) == 0, leader.stderr.read() if leader.stderr else ""
     finally:
         if leader.poll() is None:
@@ -201,7 +224,8 @@ def test_the_leader_command_leads_until_sigterm_and_steps_down():
         for pipe in (leader.stdout, leader.stderr):
             if pipe is not None:
                 pipe.close()
-    assert lines == [f"elected: term {row.token}", "SIGTERM: stepping down", "stopped"]
+    assert lines == [f"elected: term {row.token}", f"{stop_signal.name}: stepping down",
+                     "stopped"]
     assert Lock.objects.get(name="cron").owner == "", "the leader did not step down"
 
 

@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -297,6 +298,23 @@ def test_async_twins_give_the_sync_answers():
     assert lease.release() is True
     status, current, _ = run_async(ask)
     assert status.state == FREE and current is False
+
+
+@pytest.mark.usefixtures("lock_db")
+def test_alock_status_reads_on_the_callers_connection_inside_its_transaction():
+    """Called from sync code inside atomic() (as an async view under a sync request is),
+    alock_status runs where Django runs the async ORM: on the caller's thread, so its
+    connection and transaction; it sees that transaction's own uncommitted write."""
+    lease = acquire("st:thread", ttl=30)
+    try:
+        with transaction.atomic():
+            Lock.objects.filter(name="st:thread").update(holder="this transaction's")
+            status = async_to_sync(alock_status)("st:thread")
+            assert status.holder == "this transaction's", "read on another connection"
+            transaction.set_rollback(True)
+        assert lock_status("st:thread").holder == lease.holder
+    finally:
+        assert lease.release() is True
 
 
 @pytest.mark.usefixtures("lock_db")

@@ -361,6 +361,27 @@ def test_a_task_whose_body_raises_releases_its_lock_at_once(workers):
     assert_freed_by_release(f"counter:{k}", start)
 
 
+def test_a_lock_timeout_of_the_body_fails_the_task_and_is_not_contention(workers):
+    """The body's own lock times out, in a sync and in an async task: that LockTimeout
+    fails the run as the body's error; the decorator's policy (skip) is not applied, and
+    the task's lock is released."""
+    runs = {counter(): tasks.inner_times_out, counter(): tasks.inner_times_out_async}
+    inner = {k: acquire(f"counter:{k}:inner", ttl=30) for k in runs}
+    try:
+        ids = {k: run.enqueue(k).id for k, run in runs.items()}
+        outcomes = {k: workers.finished(task_id) for k, task_id in ids.items()}
+    finally:
+        for lease in inner.values():
+            assert lease.release() is True
+    for k, task_id in ids.items():
+        assert outcomes[k]["status"] == FAILED, f"{runs[k].name}: {outcomes[k]}"
+        assert outcomes[k]["errors"] == ["distlock.exceptions.LockTimeout"]
+        assert workers.events.all(kind="busy", task_id=task_id) == []
+        assert workers.events.all(kind="end", task_id=task_id) == []
+        start = workers.events.all(kind="start", task_id=task_id)[0]
+        assert_freed_by_release(f"counter:{k}", start)
+
+
 def test_a_worker_paused_past_its_ttl_cannot_write_after_the_next_run_took_over(workers):
     """SIGSTOP the worker holding the lock: the next run takes over at the lease's expiry
     with a higher token; the paused run, continued, has its fenced write refused."""

@@ -18,7 +18,7 @@ from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
-from celery import Celery, Task, signals  # noqa: E402 - the fixup needs the settings module set
+from celery import Celery, Task, current_task, signals  # noqa: E402 - the fixup needs settings
 from django.dispatch import receiver  # noqa: E402
 
 from demo_project import kombu_filesystem  # noqa: E402, F401 - filesystem:// writes whole files
@@ -31,6 +31,7 @@ from distlock.integrations.celery import (  # noqa: E402
     locked_task,
     task_lock_busy,
 )
+from distlock.signals import lock_not_acquired  # noqa: E402
 from tests.support import events  # noqa: E402
 
 DIR_ENV = "DISTLOCK_TEST_CELERY_DIR"
@@ -218,6 +219,51 @@ def unbound(key: str) -> None:
 
     lease = current_lease()
     record("unbound", key=key, token=lease.token if lease else None)
+
+
+@app.task(bind=True, name="tests.inner_times_out")
+@locked_task("test:{key}", ttl=30, on_contention="skip")
+def inner_times_out(self: Any, key: str, *, lease: Any) -> None:
+    """The body takes a second lock, ``test:<key>:inner`` (the test holds it), with a
+    timeout: its LockTimeout is the body's failure, not contention for ``test:<key>``."""
+    from distlock import lock
+
+    _lease_event("start", self, key, lease)
+    with lock(f"test:{key}:inner", ttl=30, timeout=0.2):
+        _lease_event("end", self, key, lease)
+
+
+# Lock names whose busy tries wait for the test (_gate_busy_try).
+GATED = "gated:"
+
+
+@app.task(bind=True, name="tests.retry_gated")
+@locked_task(GATED + "{key}", ttl=30, on_contention="skip")
+def retry_gated(self: Any, key: str, *, lease: Any) -> int:
+    """Ask for a retry on the first run, then hold the lock until the test's go file: the
+    retried run meets it, and its busy try waits at the gate (_gate_busy_try) while the
+    test lets this run release."""
+    _lease_event("start", self, key, lease)
+    if self.request.retries == 0:
+        retry = self.retry(countdown=0, max_retries=3, throw=False)
+        wait_for_file(f"go-{key}")
+        raise retry
+    _lease_event("end", self, key, lease)
+    return lease.token
+
+
+@receiver(lock_not_acquired)
+def _gate_busy_try(sender: Any, name: str, **kwargs: Any) -> None:
+    """A try that found a ``gated:`` lock held reports it and waits for the test's file
+    ``gate-<key>``: the test decides what happens between that try and the run's next
+    step (a gate in the worker's own code path, not a stand-in for it)."""
+    if not name.startswith(GATED):
+        return
+    key = name.removeprefix(GATED)
+    task = current_task
+    record("busy_try", key=key, name=name, task_id=task.request.id if task else None,
+           retries=task.request.retries if task else None)
+    wait_for_file(f"gate-{key}")
 
 
 @receiver(task_lock_busy)

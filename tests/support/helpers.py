@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -110,6 +111,22 @@ def start_thread(work: Callable[[], object]) -> threading.Thread:
     thread = threading.Thread(target=target)
     thread.start()
     return thread
+
+
+def waiting_in(thread: threading.Thread, function: Callable[..., object]) -> bool:
+    """True while ``thread`` is blocked in a threading wait (an Event's or a Condition's)
+    reached from ``function``: "the loop is asleep in ``Term.sleep``" as a condition to
+    wait on, where a flag set just before the call would leave the race open."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return False
+    code = getattr(function, "__code__", None)
+    blocked = frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__
+    while frame is not None:
+        if frame.f_code is code:
+            return blocked
+        frame = frame.f_back
+    return False
 
 
 def run_with_deadline(body: Callable[[], T], seconds: float = 20.0) -> T:

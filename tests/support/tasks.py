@@ -23,7 +23,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.dispatch import receiver
 
-from distlock import current_lease
+from distlock import alock, current_lease, lock
 from distlock.integrations.tasks import (
     FRAMEWORK,
     Raise,
@@ -114,6 +114,29 @@ def fail(context: Any, key: str, *, lease: Any) -> None:
 def killable(context: Any, key: str, seconds: float = -1, *, lease: Any) -> int:
     """Holds until the go file: the test SIGKILLs or SIGSTOPs its worker meanwhile."""
     return _deposit(key, seconds, lease, context.task_result.id)
+
+
+@task(takes_context=True)
+@locked_task("counter:{key}", ttl=30, on_contention=Skip())
+def inner_times_out(context: Any, key: str, *, lease: Any) -> None:
+    """The body takes a second lock, ``counter:<key>:inner`` (the test holds it), with a
+    timeout: its LockTimeout is the body's failure, not contention for ``counter:<key>``."""
+    task_id = context.task_result.id
+    record("start", task_id=task_id, key=key, token=lease.token,
+           expires_us=us(lease.expires_at))
+    with lock(f"counter:{key}:inner", ttl=30, timeout=0.2):
+        record("end", task_id=task_id, key=key)
+
+
+@task(takes_context=True)
+@locked_task("counter:{key}", ttl=30, on_contention=Skip())
+async def inner_times_out_async(context: Any, key: str, *, lease: Any) -> None:
+    """inner_times_out as an ``async def`` task (run under alock)."""
+    task_id = context.task_result.id
+    await sync_to_async(record)("start", task_id=task_id, key=key, token=lease.token,
+                                expires_us=us(lease.expires_at))
+    async with alock(f"counter:{key}:inner", ttl=30, timeout=0.2):
+        await sync_to_async(record)("end", task_id=task_id, key=key)
 
 
 # Without the context: the run finds its own result through the task_started signal
