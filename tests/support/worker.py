@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -204,6 +205,11 @@ ROLES: dict[str, Callable[..., None]] = {
 }
 
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal, whatever the suite was started from: a shell without job
+    # control starts a background command with SIGINT ignored, which every process it
+    # starts inherits (and Python then installs no KeyboardInterrupt handler), so the tests
+    # that send SIGINT to a worker would find it deaf.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     role, args = sys.argv[1], json.loads(sys.argv[2])
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
