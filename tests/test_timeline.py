@@ -50,6 +50,40 @@ def parse(svg: str) -> ET.Element:
     return ET.fromstring(svg)
 
 
+
+def test_no_two_labels_of_the_axis_overlap():
+    """Over many spans and offsets, with "now" inside the window, past it, or not given,
+    no two labels of the axis' row overlap by the renderer's own (wide) estimate of their
+    widths: not two ticks — the last, ended at its line near the right edge, reached back
+    over its neighbour (a CI run's browser test, at 390 px) — nor a tick and "now"."""
+    from itertools import pairwise
+
+    from distlock.admin.timeline import Timeline
+    from distlock.admin.timeline_svg import TOP, _text_w
+
+    checked = 0
+    for span_ms in range(500, 9000, 37):
+        for shift_ms in (0, 13, 49, 91):
+            start = T0 + shift_ms * 1000
+            end = start + span_ms * 1000
+            for now in (None, (start + end) // 2, end + 600 * S):
+                root = parse(render(Timeline(lanes=(), start_us=start, end_us=end, now_us=now)))
+                spans = []
+                for text in root.iter(f"{SVG}text"):
+                    if text.get("y") != str(TOP - 10):
+                        continue
+                    x, width = float(text.get("x", "0")), _text_w("".join(text.itertext()))
+                    anchor = text.get("text-anchor", "start")
+                    left = x - {"end": width, "middle": width / 2}.get(anchor, 0.0)
+                    if text.get("dx"):
+                        left += float(text.get("dx", "0"))
+                    spans.append((left, left + width, "".join(text.itertext())))
+                spans.sort()
+                for a, b in pairwise(spans):
+                    assert a[1] <= b[0], (span_ms, shift_ms, now, a, b)
+                checked += 1
+    assert checked > 600
+
 def bars(root: ET.Element) -> list[ET.Element]:
     return [g for g in root.iter(f"{SVG}g") if "dl-bar " in g.get("class", "") + " "
             and g.get("data-token") is not None]

@@ -157,27 +157,36 @@ def _later(us: int) -> str:
 def _grid(
     axis: _Axis, tz: tzinfo, bottom: int, taken: tuple[float, float] | None
 ) -> list[str]:
-    """The ticks and their labels; a label that would run into ``taken`` (the "now"
-    label's span on the same row) is left out, its line kept."""
+    """The ticks and their labels. A label that would run into ``taken`` (the "now"
+    label's span on the same row) is left out, its line kept; so is one that would run
+    into the label before it — except the last one, ended at its line at the right edge
+    (the window's end), which can reach back over its neighbour: that neighbour goes."""
     step, ticks = axis.ticks()
-    out = ['<g class="dl-axis">']
+    lines: list[str] = []
+    labels: list[tuple[float, float, str]] = []  # (left, right, markup), left to right
     for at in ticks:
         x = axis.x(at)
         text = _clock(at, tz, precise=step < 1)
-        out.append(f'<line class="dl-grid" x1="{x}" x2="{x}" y1="{TOP - 4}" y2="{bottom}"/>')
+        lines.append(f'<line class="dl-grid" x1="{x}" x2="{x}" y1="{TOP - 4}" y2="{bottom}"/>')
         # Centred on its line, or ending at it where the centred label would run past
         # the picture's right edge (a tick at the axis' end).
         width = _text_w(text)
         anchor = "end" if x + width / 2 > WIDTH - 2 else "middle"
         left, right = (x - width, x) if anchor == "end" else (x - width / 2, x + width / 2)
-        if taken is None or right < taken[0] or left > taken[1]:
-            out.append(f'<text x="{x}" y="{TOP - 10}" text-anchor="{anchor}">{_a(text)}</text>')
+        if taken is not None and not (right < taken[0] or left > taken[1]):
+            continue
+        markup = f'<text x="{x}" y="{TOP - 10}" text-anchor="{anchor}">{_a(text)}</text>'
+        if labels and left <= labels[-1][1] + 6:
+            if anchor != "end":
+                continue
+            labels.pop()
+        labels.append((left, right, markup))
     day = from_us(axis.start).astimezone(tz)
-    out.append(
+    return [
+        '<g class="dl-axis">', *lines, *(markup for _, _, markup in labels),
         f'<text x="4" y="{TOP - 10}" class="dl-quiet">{_a(day.strftime("%Y-%m-%d"))} '
-        f'{_a(_zone(day))}</text></g>'
-    )
-    return out
+        f'{_a(_zone(day))}</text></g>',
+    ]
 
 
 def _zone(moment: datetime) -> str:
