@@ -574,6 +574,7 @@ def test_a_waiter_handed_the_lock_too_late_queues_again_at_the_back(children):
         assert worker.finish() == 0
 
 
+@pytest.mark.no_pooler("DISTLOCK_WAKEUPS = True: the waiter queues on a session of its own")
 def test_an_interrupt_as_the_enqueue_returns_leaves_no_place_in_the_queue(monkeypatch):
     """A Ctrl-C (or a soft time limit) that lands just after distlock_enqueue committed,
     before the waiter knows its entry: nobody holds that waiter to stop it, so it ends its
