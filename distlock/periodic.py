@@ -56,8 +56,6 @@ logger = logging.getLogger("distlock")
 #: The shortest period: the database clocks' resolution (SQLite: 1 ms) and a fire's own
 #: round trips must be small beside half of it.
 MIN_EVERY = 1.0
-#: "@" and the instant, as ``_instant_name`` writes it ("@2026-12-04T15:00:00.000Z").
-_SUFFIX_LENGTH = 25
 
 
 def periodic_once(
@@ -140,3 +138,7 @@ def _instant_name(name: str, instant_us: int) -> str:
     """The lock of one period: ``name@2026-12-04T15:00:00.000Z`` (UTC, milliseconds)."""
     moment = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=instant_us)
     return f"{name}@{moment:%Y-%m-%dT%H:%M:%S}.{moment.microsecond // 1000:03d}Z"
+
+
+#: "@" and the instant, as ``_instant_name`` writes it ("@2026-12-04T15:00:00.000Z").
+_SUFFIX_LENGTH = len(_instant_name("", 0))

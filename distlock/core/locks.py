@@ -49,11 +49,16 @@ def current_lease() -> Lease | None:
     return leases[-1][0] if leases else None
 
 
+def _push(lease: Lease) -> contextvars.Token[_Held]:
+    """Put ``lease`` on top of this thread's (or task's) stack of current leases."""
+    return _current.set((*_current.get(), (lease, _running_task())))
+
+
 @contextmanager
 def as_current(lease: Lease) -> Iterator[Lease]:
     """Make ``lease`` what :func:`current_lease` returns for the ``with`` block, without
     acquiring or releasing it (a periodic job's run: distlock/periodic.py)."""
-    token = _current.set((*_current.get(), (lease, _running_task())))
+    token = _push(lease)
     try:
         yield lease
     finally:
@@ -255,7 +260,7 @@ class LockBlock:
         if lease is None:
             raise LockTimeout(self.name, grants.wait_limit(self._options["timeout"]))
         self.lease = lease
-        self._token = _current.set((*_current.get(), (lease, _running_task())))
+        self._token = _push(lease)
         return lease
 
     def _leaving(self) -> Lease | None:
