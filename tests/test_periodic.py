@@ -195,3 +195,19 @@ def test_hosts_half_a_minute_apart_run_each_period_once(children, lock_db):
     for host in hosts:
         host.send("exit")
         assert host.finish() == 0
+
+
+def test_a_fire_inside_the_callers_transaction_is_refused_and_claims_nothing(lock_db):
+    """Inside atomic() on the lock's database a fire is refused as acquire is (the claim
+    would commit or roll back with the caller's work): the body does not run, no period
+    is claimed, and the same fire outside the transaction then runs it."""
+    from django.db import transaction
+
+    from distlock import TransactionNotAllowed
+
+    job, runs = _counting("periodic:atomic", _phase_for(0))
+    before = Lock.objects.count()
+    with pytest.raises(TransactionNotAllowed), transaction.atomic():
+        job()
+    assert runs == [] and Lock.objects.count() == before
+    assert job() is not None and len(runs) == 1
