@@ -22,7 +22,7 @@ from typing import Any
 
 from lab import report
 from lab.django_setup import create_database, database
-from lab.scenarios import APPLIES, CONTENDERS as NAMES, ROOT, SCENARIOS, Cell, Servers, rate, run_cell
+from lab.scenarios import APPLIES, CONTENDERS, ROOT, SCENARIOS, Cell, Servers, rate, run_cell
 from lab.servers import EtcdCluster, RedisNodes, Unavailable
 
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/distlock_lab"
@@ -57,7 +57,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, help="trials per cell (default 20; --quick 1)")
     parser.add_argument("--ttl", type=float, default=2.0,
                         help="lease length in the pause scenarios, seconds (default 2)")
-    parser.add_argument("--contenders", default=",".join(NAMES))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--rate-seconds", type=float, help="default 3 (--quick 1); 0: none")
     parser.add_argument("--postgres", default=os.environ.get("DISTLOCK_LAB_POSTGRES",
@@ -71,8 +71,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.contenders = [c for c in args.contenders.split(",") if c]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     for name in args.contenders:
-        if name not in NAMES:
-            parser.error(f"unknown contender {name!r}; one of {', '.join(NAMES)}")
+        if name not in CONTENDERS:
+            parser.error(f"unknown contender {name!r}; one of {', '.join(CONTENDERS)}")
     for name in args.scenarios:
         if name not in SCENARIOS:
             parser.error(f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}")
@@ -83,8 +83,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def migrate(url: str) -> None:
     create_database(url)
-    subprocess.run([sys.executable, "-m", "lab.worker", "--migrate", json.dumps({"postgres": url})],
-                   check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    command = [sys.executable, "-m", "lab.worker", "--migrate", json.dumps({"postgres": url})]
+    subprocess.run(command, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
 def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
@@ -122,10 +122,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     notes.append(f"{contender} × {scenario} not run: {why}")
                     continue
                 try:
-                    print(f"  {contender} × {scenario}: {args.trials} trial(s) with the fault"
-                          " off and on", file=sys.stderr, flush=True)
+                    began = time.monotonic()
                     cells.extend(run_cell(contender, scenario, Servers(nodes, etcd),
                                           args.postgres, args.trials, args.ttl, resource))
+                    print(f"  {contender} × {scenario}: {args.trials} trial(s) with the fault"
+                          f" off and on, {time.monotonic() - began:.1f} s", file=sys.stderr,
+                          flush=True)
                 finally:
                     if nodes:
                         nodes.stop()

@@ -35,7 +35,23 @@ def read(key: str) -> int:
 
 
 def plain_write(key: str, value: int) -> bool:
-    return Cell.objects.filter(pk=key).update(value=value) == 1
+    return bool(Cell.objects.filter(pk=key).update(value=value) == 1)
+
+
+def redis_client(port: int) -> Any:
+    """A redis-py client that sends each command once.
+
+    redis-py 6+ retries a command on a connection error, three times with back-off, by
+    default. pottery returns as soon as it has a quorum and leaves the other masters'
+    SETs running, so a retried SET to a master that was down lands seconds after the
+    grant, once that master is back (the clock scenario). The lab's acquire loops retry.
+    """
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(port=port, host="127.0.0.1", socket_timeout=2, socket_connect_timeout=1,
+                       retry=Retry(NoBackoff(), 0))
 
 
 def polling(attempt: Callable[[], T | None], timeout: float) -> T | None:
@@ -73,8 +89,7 @@ class RedisLock(Contender):
         import redis
 
         self.redis = redis
-        self.client = redis.Redis(port=ports[0], host="127.0.0.1", socket_timeout=2,
-                                  socket_connect_timeout=1)
+        self.client = redis_client(ports[0])
         self.lock: Any = None
 
     def acquire(self, ttl: float, timeout: float) -> Any:
@@ -108,7 +123,6 @@ class Redlock(Contender):
     name = "redlock"
 
     def __init__(self, ports: list[int]) -> None:
-        import redis
         from pottery import Redlock as PotteryRedlock
         from pottery import ReleaseUnlockedLock
 
@@ -117,8 +131,7 @@ class Redlock(Contender):
         logging.getLogger("pottery").setLevel(logging.CRITICAL)
         self.factory = PotteryRedlock
         self.unlocked = ReleaseUnlockedLock
-        self.masters = {redis.Redis(port=port, host="127.0.0.1", socket_timeout=2,
-                                    socket_connect_timeout=1) for port in ports}
+        self.masters = {redis_client(port) for port in ports}
         self.lock: Any = None
 
     def acquire(self, ttl: float, timeout: float) -> Any:
@@ -203,9 +216,15 @@ class EtcdLock(Contender):
         return bool(answer.get("succeeded"))
 
     def write(self, key: str, value: int) -> bool:
-        rows = Cell.objects.filter(pk=key, fence_token__lte=self.token).update(
-            value=value, fence_token=self.token)
-        return rows == 1
+        # The table's own conditional write, as any store outside distlock would do it
+        # (distlock's queryset keeps fence_token for its fenced writes).
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE lab_cell SET value = %s, fence_token = %s "
+                           "WHERE key = %s AND fence_token <= %s",
+                           [value, self.token, key, self.token])
+            return bool(cursor.rowcount == 1)
 
 
 class Distlock(Contender):

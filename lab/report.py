@@ -75,7 +75,8 @@ def timeline(cell: dict[str, Any]) -> str:
         if grants:
             ends = [e["t0"] for e in mine if e["op"] in ("write", "release")]
             start, stop = grants[0]["t1"], max(ends) if ends else end
-            parts.append(f'<rect x="{x(start):.1f}" y="{y}" width="{max(1, (stop - start) * scale):.1f}" '
+            span = max(1.0, (stop - start) * scale)
+            parts.append(f'<rect x="{x(start):.1f}" y="{y}" width="{span:.1f}" '
                          f'height="24" fill="#90caf9" opacity="0.6"><title>{client} holds '
                          f'(its view), {start:.3f}–{stop:.3f} s</title></rect>')
         for event in mine:

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -248,13 +249,9 @@ def run_trial(a: Client, b: Client, fault: Fault, *, on: bool, scenario: str, tt
         return answer["result"]
 
     def mark(what: str) -> None:
-        import time
-
         trial.marks.append((what, time.monotonic() - start[0]))
 
     reset()
-    import time
-
     start[0] = time.monotonic()
     fault.before()
     if record(a, a.call("acquire", ttl=ttl_a, timeout=10)) is None:
