@@ -56,13 +56,17 @@ def timeline(cell: dict[str, Any]) -> str:
         return ""
     end = max([e["t1"] for e in events] + [t for _, t in marks]) or 1.0
     width, left, lane = 760, 40, 44
-    scale = (width - left - 20) / end
+    right = 50  # room for the last mark's label
+    scale = (width - left - right) / end
 
     def x(t: float) -> float:
         return left + t * scale
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="150" '
-             f'role="img" aria-label="timeline of one trial">']
+             f'role="img" aria-label="timeline of one trial">'
+             '<defs><pattern id="stopped" width="6" height="6" patternUnits="userSpaceOnUse" '
+             'patternTransform="rotate(45)"><rect width="3" height="6" fill="#ef6c00" '
+             'opacity="0.35"/></pattern></defs>']
     for index, client in enumerate(("A", "B")):
         y = 20 + index * lane
         parts.append(f'<text x="4" y="{y + 16}" font-size="13">{client}</text>')
@@ -88,13 +92,18 @@ def timeline(cell: dict[str, Any]) -> str:
             parts.append(f'<rect x="{x(event["t0"]) - 3:.1f}" y="{y - 2}" width="6" height="28" '
                          f'fill="{COLOURS[kind]}"><title>{client}: {label} (row '
                          f'{escape.escape(event["key"])}) at {event["t0"]:.3f} s</title></rect>')
+    times = dict(marks)
+    if "heal" in times:  # a pause: A's process stopped from the fault to the heal
+        parts.append(f'<rect x="{x(times["fault"]):.1f}" y="14" '
+                     f'width="{(times["heal"] - times["fault"]) * scale:.1f}" height="36" '
+                     f'fill="url(#stopped)"><title>A stopped (SIGSTOP)</title></rect>')
     for what, t in marks:
         colour = "#ef6c00" if what == "fault" else "#6a1b9a"
         parts.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="10" y2="112" stroke="{colour}" '
                      f'stroke-width="2"/><text x="{x(t) + 3:.1f}" y="122" font-size="11" '
                      f'fill="{colour}">{what}</text>')
     parts.append(f'<text x="{left}" y="142" font-size="11" fill="#555">0 s</text>'
-                 f'<text x="{width - 20}" y="142" font-size="11" fill="#555" '
+                 f'<text x="{x(end):.1f}" y="142" font-size="11" fill="#555" '
                  f'text-anchor="end">{end:.2f} s</text></svg>')
     return "".join(parts)
 
@@ -142,7 +151,21 @@ off is the control: the same harness, whose overlaps, stale writes and lost upda
 <span style="background:{COLOURS['ok']}"></span>write accepted
 <span style="background:{COLOURS['stale']}"></span>stale write accepted
 <span style="background:{COLOURS['refused']}"></span>stale write refused;
-orange line: the fault strikes, purple: it heals.</p>
+orange line: the fault strikes (hatched: A stopped), purple: it heals.</p>
 {pictures}
 </body></html>
 """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lab.report RESULTS.json PAGE.html``: the page again from saved results."""
+    import json
+    import sys
+    from pathlib import Path
+
+    source, target = (sys.argv[1:] if argv is None else argv)
+    Path(target).write_text(html(json.loads(Path(source).read_text())))
+
+
+if __name__ == "__main__":
+    main()

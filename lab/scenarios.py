@@ -118,6 +118,8 @@ class Servers:
 class Fault:
     """A scenario's fault. ``before``/``granted`` run in control trials too."""
 
+    heals = False  # whether heal() undoes something (the timeline marks it then)
+
     def __init__(self, servers: Servers, a: Client) -> None:
         self.servers, self.a = servers, a
 
@@ -148,6 +150,8 @@ class Fault:
 
 class Pause(Fault):
     """A is SIGSTOPped (a GC pause, a swapped-out VM) until B has written."""
+
+    heals = True
 
     def strike(self) -> None:
         self.a.signal(signal.SIGSTOP)
@@ -261,14 +265,15 @@ def run_trial(a: Client, b: Client, fault: Fault, *, on: bool, scenario: str, tt
     wait_b = ttl * 4 + 10
     b.send("acquire", ttl=ttl, timeout=wait_b)
     if on:
-        fault.strike()
         mark("fault")
+        fault.strike()
         granted_b = record(b, b.reply(wait_b + 30)) is not None
         if granted_b:
             value_b = record(b, b.call("read", key=rows[1]), key=rows[1])
             record(b, b.call("write", key=rows[1], value=value_b + 1), key=rows[1])
+        if fault.heals:
+            mark("heal")
         fault.heal()
-        mark("heal")
         record(a, a.call("write", key=rows[0], value=value_a + 1), key=rows[0])
         record(a, a.call("release"))
         if granted_b:
