@@ -75,7 +75,7 @@ def test_pause_redis_accepts_the_stale_write_and_distlock_fenced_refuses_it(
         tmp_path: Path) -> None:
     results_file = tmp_path / "results.json"
     run = subprocess.run(
-        [sys.executable, "-m", "lab.compare", "--trials", "1", "--ttl", "1",
+        [sys.executable, "-m", "lab.compare", "--trials", "1", "--ttl", "2",
          "--contenders", "redis,distlock-fenced", "--scenarios", "pause",
          "--rate-seconds", "0", "--postgres", lab_database(), "--json", str(results_file)],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
