@@ -90,7 +90,7 @@ def migrate(url: str) -> None:
 def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
     if contender not in ("redis", "redlock"):
         return None
-    size = 5 if contender == "redlock" else 1
+    size = 5 if contender == "redlock" else 2 if scenario == "failover" else 1
     if scenario == "clock":
         from lab.redis_build import faketime_redis
 

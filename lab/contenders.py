@@ -81,18 +81,42 @@ class Contender:
 
 
 class RedisLock(Contender):
-    """redis-py's ``Lock`` (SET NX PX, a Lua-checked release) on one redis-server."""
+    """redis-py's ``Lock`` (SET NX PX, a Lua-checked release) on one redis-server.
+
+    With ``master_file`` (the failover scenario) the client asks that file which port is
+    the master after a connection error, as a Sentinel-aware client asks Sentinel.
+    """
 
     name = "redis"
 
-    def __init__(self, ports: list[int]) -> None:
+    def __init__(self, ports: list[int], master_file: str = "") -> None:
         import redis
 
         self.redis = redis
-        self.client = redis_client(ports[0])
+        self.master_file = master_file
+        self.port = ports[0]
+        self.client = redis_client(self.port)
         self.lock: Any = None
+        self.ttl = 0.0
+
+    def follow(self) -> None:
+        """After a connection error: the master now named by ``master_file``, if another."""
+        try:
+            with open(self.master_file) as current:
+                port = int(current.read())
+        except (OSError, ValueError):
+            return  # no failover in this scenario
+        if port != self.port:
+            self.port, self.client = port, redis_client(port)
+            if self.lock is not None:
+                token = self.lock.local.token
+                self.lock = self.client.lock(LOCK_NAME, timeout=self.ttl)
+                self.lock.local.token = token
 
     def acquire(self, ttl: float, timeout: float) -> Any:
+        self.ttl = ttl
+        self.lock = None
+        self.follow()  # the master of now, as a client asks Sentinel when it connects
         self.lock = self.client.lock(LOCK_NAME, timeout=ttl)
 
         def attempt() -> str | None:
@@ -100,7 +124,7 @@ class RedisLock(Contender):
                 if self.lock.acquire(blocking=False):
                     return str(self.lock.local.token.decode())
             except self.redis.ConnectionError:
-                pass  # a restarted server: the pool reconnects on the next try
+                self.follow()  # a restarted server: the pool reconnects on the next try
             return None
 
         return polling(attempt, timeout)
@@ -113,7 +137,7 @@ class RedisLock(Contender):
             except self.redis.exceptions.LockError:
                 return False
             except self.redis.ConnectionError:
-                continue
+                self.follow()
         return False
 
 
@@ -270,7 +294,7 @@ class DistlockFenced(Distlock):
 def make(name: str, config: dict[str, Any]) -> Contender:
     """The contender ``name`` connected to the servers in ``config``."""
     if name == "redis":
-        return RedisLock(config["redis_ports"])
+        return RedisLock(config["redis_ports"], config.get("redis_master_file", ""))
     if name == "redlock":
         return Redlock(config["redis_ports"])
     if name == "etcd":

@@ -18,6 +18,7 @@ increments accepted, the counter total and the lost updates (accepted minus tota
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -107,9 +108,15 @@ class Servers:
     redis: RedisNodes | None = None
     etcd: EtcdCluster | None = None
 
+    @property
+    def master_file(self) -> Path | None:
+        """Where the failover scenario names the current Redis master (its port)."""
+        return self.redis.dir / "master" if self.redis and self.redis.dir else None
+
     def config(self, postgres: str) -> dict[str, Any]:
         return {
             "postgres": postgres,
+            "redis_master_file": str(self.master_file or ""),
             "redis_ports": self.redis.ports if self.redis else [],
             "etcd_endpoints": self.etcd.endpoints if self.etcd else [],
         }
@@ -197,17 +204,70 @@ class Clock(Fault):
         self.servers.redis.nodes[0].jump(JUMP)
 
 
+class Failover(Fault):
+    """The Redis master dies; its replica, which had not received A's key, is promoted.
+
+    Replication is asynchronous: a master can acknowledge A's SET and die before sending
+    it. The lab makes that worst case certain rather than lucky: the replica is in sync
+    with the master, then detached (``REPLICAOF NO ONE``) just before A's grant. On the
+    fault the master is killed and the clients are told the replica's port (as Sentinel
+    would tell them). Without the fault the master lives, and the replica is not used.
+    """
+
+    def redis(self, index: int) -> Any:
+        import redis
+
+        assert self.servers.redis is not None
+        return redis.Redis(port=self.servers.redis.nodes[index].port, socket_timeout=5)
+
+    def before(self) -> None:
+        import redis
+
+        assert self.servers.redis is not None and self.servers.master_file is not None
+        master, replica = self.servers.redis.nodes
+        self.name_master(master.port)
+        self.redis(0).config_set("repl-diskless-sync-delay", 0)
+        self.redis(1).replicaof("127.0.0.1", master.port)
+
+        def in_sync() -> bool:
+            info = self.redis(1).info("replication")
+            return bool(info.get("master_link_status") == "up"
+                        and not info.get("master_sync_in_progress"))
+
+        deadline = time.monotonic() + 30
+        while not in_sync():
+            if time.monotonic() > deadline:
+                raise HarnessError("the Redis replica did not sync within 30 s")
+            time.sleep(0.02)
+        with contextlib.suppress(redis.ConnectionError):
+            self.redis(1).replicaof("NO", "ONE")
+
+    def strike(self) -> None:
+        assert self.servers.redis is not None and self.servers.master_file is not None
+        self.servers.redis.nodes[0].kill()
+        self.name_master(self.servers.redis.nodes[1].port)
+
+    def name_master(self, port: int) -> None:
+        """The master's port for the clients, written whole (a rename), never half."""
+        assert self.servers.master_file is not None
+        partial = self.servers.master_file.with_suffix(".partial")
+        partial.write_text(str(port))
+        partial.rename(self.servers.master_file)
+
+
 FAULTS: dict[str, type[Fault]] = {"pause": Pause, "untouched": Pause, "restart": Restart,
-                                  "clock": Clock}
+                                  "clock": Clock, "failover": Failover}
 CONTENDERS = ("redis", "redlock", "etcd", "distlock", "distlock-fenced")
-SCENARIOS = ("pause", "untouched", "restart", "clock")
-# What each scenario is about, and whom: a Redis restart or clock is no fault of etcd or
-# PostgreSQL (their own counterparts, failover and partition, are not in the lab yet).
+SCENARIOS = ("pause", "untouched", "restart", "clock", "failover")
+# What each scenario is about, and whom: a Redis restart, clock or failover is no fault of
+# etcd or PostgreSQL (their own counterparts — an etcd member or a PostgreSQL primary lost,
+# a partition — are not in the lab yet).
 APPLIES = {
     "pause": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
     "untouched": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
     "restart": ("redis", "redlock"),
     "clock": ("redis", "redlock"),
+    "failover": ("redis",),
 }
 
 
