@@ -4,7 +4,7 @@ Debian's redis-server aborts under libfaketime: its static jemalloc calls
 ``clock_gettime`` while libfaketime is still starting. So the lab builds the *same
 upstream version* as the installed package from Debian's own source (the orig tarball
 that ``apt-get source`` fetches, its SHA-256 checked against the ``.dsc``) with
-``MALLOC=libc``, once, into ``~/.cache/distlock-lab/`` (about 20 s on two cores). apt
+``MALLOC=libc``, once, into ``~/.cache/distlock-lab/`` (22 s of compiling on two cores). apt
 reads a private list of ``deb-src`` lines there: nothing of the system's apt set-up changes.
 """
 
