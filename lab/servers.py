@@ -182,3 +182,149 @@ class EtcdCluster:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+
+
+FAKETIME_LIBRARIES = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+)
+
+
+def faketime_library() -> str:
+    """Debian's libfaketime (package faketime), or Unavailable."""
+    for path in FAKETIME_LIBRARIES:
+        if os.path.exists(path):
+            return path
+    raise Unavailable("libfaketime not found (Debian package faketime)")
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server`` on a free loopback port, without persistence.
+
+    ``save ""`` and ``appendonly no``: a restart loses every key, as a Redis restarted
+    without fsync does (the lab's restart fault). With ``faketime`` the server runs under
+    libfaketime with a clock file of its own, read at every call, so :meth:`jump` moves
+    this server's wall clock alone (the lab's clock fault); the monotonic clock stays real.
+    ``binary`` must then be a Redis built without jemalloc (lab/redis_build.py).
+    """
+
+    dir: Path
+    name: str = "redis"
+    binary: str = "redis-server"
+    faketime: bool = False
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def clock_file(self) -> Path:
+        return self.dir / f"{self.name}.faketime"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / f"{self.name}.log"
+
+    def start(self) -> None:
+        """Start (or start again on the same port, empty); returns once it answers PING."""
+        if not self.port:
+            self.port = free_port()
+        env = dict(os.environ)
+        if self.faketime:
+            if not self.clock_file.exists():
+                self.clock_file.write_text("+0s\n")
+            env.update(LD_PRELOAD=faketime_library(),
+                       FAKETIME_TIMESTAMP_FILE=str(self.clock_file),
+                       FAKETIME_NO_CACHE="1", DONT_FAKE_MONOTONIC="1")
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                   "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+                   "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
+        log = self.log.open("ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env,
+                                        start_new_session=True)
+        log.close()
+        process = self.process
+
+        def answers() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"{self.binary} exited {process.returncode}: "
+                                   f"{self.log.read_text(errors='replace')[-2000:]}")
+            return self.ping()
+
+        wait_until(answers, 30, f"redis-server {self.name} on port {self.port} answering")
+
+    def ping(self) -> bool:
+        """A raw PING over a socket (no client library needed here)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL by PID (a crash: nothing written to disk, and nothing to write)."""
+        process = self.process
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        process.wait(timeout=30)
+        self.process = None
+
+    def restart(self) -> None:
+        """Killed and started again on its port: every key is gone."""
+        self.kill()
+        self.start()
+
+    def jump(self, seconds: float) -> None:
+        """Set this server's wall clock ``seconds`` ahead of the real one (0: back)."""
+        if not self.faketime:
+            raise RuntimeError(f"redis-server {self.name} was not started under libfaketime")
+        self.clock_file.write_text(f"{seconds:+g}s\n")
+
+
+@dataclass
+class RedisNodes:
+    """``size`` independent redis-servers (Redlock's masters; one for plain Redis).
+
+    A context manager; ``stop()`` kills each by its PID and removes the folder.
+    """
+
+    size: int = 1
+    binary: str = "redis-server"
+    faketime: bool = False
+    nodes: list[RedisServer] = field(default_factory=list)
+    dir: Path | None = None
+
+    def __enter__(self) -> RedisNodes:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()
+
+    @property
+    def ports(self) -> list[int]:
+        return [node.port for node in self.nodes]
+
+    def start(self) -> None:
+        if shutil.which(self.binary) is None and not os.path.exists(self.binary):
+            raise Unavailable(f"{self.binary} not found (Debian package redis-server)")
+        self.dir = Path(tempfile.mkdtemp(prefix="distlock-redis-"))
+        self.nodes = [RedisServer(self.dir, f"r{i}", self.binary, self.faketime)
+                      for i in range(self.size)]
+        try:
+            for node in self.nodes:
+                node.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.kill()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
