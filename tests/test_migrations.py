@@ -210,7 +210,7 @@ def test_a_database_part_way_through_0_2_is_refused_not_half_migrated() -> None:
         recorder.record_unapplied(*squash)
         for key in missing:
             recorder.record_unapplied(*key)
-        with pytest.raises(CommandError, match="0001_tables, 0003_mysql_procedures"):
+        with pytest.raises(CommandError, match=f"0001_tables, {LATEST[1]}"):
             call_command("migrate", "distlock", verbosity=0)
         assert functions() == before
     finally:

@@ -31,7 +31,7 @@ from distlock.db import db_now_us
 from distlock.integrations.unique import UNIQUE_KWARG, aenqueue_once, enqueue_once, unique_task
 from distlock.models import TaskKey
 from tests.support import unique_tasks
-from tests.support.celery_app import app, broker_url, configure
+from tests.support.celery_app import broker_url, configure
 from tests.support.celery_app import unique_body as celery_body
 from tests.support.celery_workers import Worker
 from tests.support.events import Events
@@ -44,6 +44,10 @@ pytestmark = [pytest.mark.processes, pytest.mark.django_db(transaction=True)]
 
 REDIS = broker_url().startswith("redis")
 django_body = unique_tasks.unique_body
+
+
+class Rollback(Exception):
+    """Raised to roll the caller's transaction back."""
 
 
 def key() -> str:
@@ -231,11 +235,11 @@ def test_autocommit_off_by_hand_is_refused_and_changes_nothing(published):
 
 def test_a_rollback_sends_nothing_and_leaves_no_row(celery, published):
     k = key()
-    with pytest.raises(ZeroDivisionError), transaction.atomic():
+    with pytest.raises(Rollback), transaction.atomic():
         Counter.objects.create(key=k)
         assert enqueue_once(k, celery_body, [k, 0]) is True
         assert row(k) is not None  # written in the caller's transaction ...
-        1 / 0
+        raise Rollback
     assert row(k) is None  # ... and rolled back with it
     assert not Counter.objects.filter(key=k).exists()
     assert published.of(k) == []
@@ -251,10 +255,10 @@ def test_a_rollback_sends_nothing_and_leaves_no_row(celery, published):
 
 def test_a_rollback_on_django_tasks_sends_nothing_and_leaves_no_row():
     k = key()
-    with pytest.raises(ZeroDivisionError), transaction.atomic():
+    with pytest.raises(Rollback), transaction.atomic():
         Counter.objects.create(key=k)
         assert enqueue_once(k, django_body.using(queue_name="nobody"), [k, 0]) is True
-        1 / 0
+        raise Rollback
     assert row(k) is None
     assert django_sent(k) == []
     assert enqueue_once(k, django_body.using(queue_name="nobody"), [k, 1]) is True
@@ -264,18 +268,18 @@ def test_a_rollback_on_django_tasks_sends_nothing_and_leaves_no_row():
 @pytest.mark.django_db(transaction=True, databases=["default", "locks"])
 def test_the_key_row_follows_the_alias_it_is_given(celery, published):
     k = key()
-    with pytest.raises(ZeroDivisionError), transaction.atomic(using="locks"):
+    with pytest.raises(Rollback), transaction.atomic(using="locks"):
         enqueue_once(k, celery_body, [k, 0], using="locks")
-        1 / 0
+        raise Rollback
     assert row(k) is None
     assert published.of(k) == []
     if connections["default"].vendor == "sqlite":
         return  # atomic() on "default" holds SQLite's one write lock: "locks" would wait
-    with pytest.raises(ZeroDivisionError), transaction.atomic():
+    with pytest.raises(Rollback), transaction.atomic():
         # A transaction on another alias is not the key's: the key commits on its own.
         assert enqueue_once(k, celery_body, [k, 1], using="locks") is True
         assert len(published.of(k)) == 1
-        1 / 0
+        raise Rollback
     assert row(k) is not None
     celery.events.wait(kind="unique_end", key=k, timeout=30)
 
@@ -406,3 +410,48 @@ def test_a_killed_run_blocks_its_key_until_the_ttl_and_no_longer(celery):
     assert enqueue_once(k, celery_body, [k, 2], policy="queued", ttl=5) is True
     celery.events.wait(kind="unique_end", key=k, n=2, timeout=30)
     assert not celery.events.all(kind="unique_end", key=k, n=0)
+
+
+# --- what operators see ------------------------------------------------------------------
+
+
+def test_the_admin_list_and_the_gauge_show_the_live_slots(django_user_model):
+    from django.test import Client
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from distlock.contrib.prometheus.gauges import DatabaseGauges
+
+    queued, running, ended = key(), key(), key()
+    nobody = django_body.using(queue_name="nobody")
+    for k in (queued, running, ended):
+        assert enqueue_once(k, nobody, [k, 0], ttl=60) is True
+    now = db_now_us("default")
+    TaskKey.objects.filter(name=running).update(
+        queued_until_us=None, running_until_us=now + 60_000_000, running_owner="x" * 32
+    )
+    # A run killed long ago: its slot is past its end by the database clock.
+    TaskKey.objects.filter(name=ended).update(queued_until_us=None, running_until_us=now - 1)
+
+    registry = CollectorRegistry()
+    registry.register(DatabaseGauges())
+    samples = {
+        sample.labels.get("slot"): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples if sample.name == "distlock_task_keys"
+    }
+    assert samples == {"queued": 1, "running": 1}
+
+    client = Client()
+    client.force_login(django_user_model.objects.create_superuser("root", "r@x.org", "pw"))
+    page = client.get("/admin/distlock/taskkey/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert all(k in text for k in (queued, running, ended))
+    assert text.count(">free<") >= 4  # queued: running free; running: queued free; ended: both
+    one = TaskKey.objects.get(name=running)
+    from django.contrib.admin.utils import quote
+
+    assert client.get(f"/admin/distlock/taskkey/{quote(one.pk)}/change/").status_code == 200
+    assert client.get("/admin/distlock/taskkey/add/").status_code == 403
+    assert client.post(f"/admin/distlock/taskkey/{quote(one.pk)}/delete/").status_code == 403
