@@ -284,6 +284,17 @@ def test_the_key_row_follows_the_alias_it_is_given(celery, published):
     celery.events.wait(kind="unique_end", key=k, timeout=30)
 
 
+def test_a_send_that_fails_gives_the_queued_slot_back():
+    k = key()
+    queued = django_body.using(queue_name="nobody")
+    with pytest.raises((TypeError, ValueError)):
+        enqueue_once(k, queued, [k, {"not JSON"}])  # refused by the backend, after commit
+    found = row(k)
+    assert found is not None and found.queued_until_us is None
+    assert django_sent(k) == []
+    assert enqueue_once(k, queued, [k, 1]) is True  # the key is not blocked until its ttl
+
+
 def test_aenqueue_once_from_async_code():
     k = key()
     queued = django_body.using(queue_name="nobody")
@@ -328,11 +339,6 @@ def burst(k: str, task: Any, count: int, first: int = 0, **options: Any) -> int:
     )
 
 
-def held_row(k: str, what: str) -> TaskKey:
-    return wait_until(lambda: (r := row(k)) is not None and getattr(r, what) and r,
-                      timeout=30, what=f"{what} of key {k}")
-
-
 @pytest.mark.parametrize("runner", ["celery", "tasks"])
 def test_queued_a_burst_runs_the_body_once(runner, request):
     setup = request.getfixturevalue("celery" if runner == "celery" else "db_workers")
@@ -362,8 +368,12 @@ def test_one_running_one_queued_runs_at_most_twice_and_never_at_once(runner, req
     # The first run holds the running slot: one more is queued, the rest are covered.
     assert burst(k, task, 99, 1, **options) == 1
     # The second run is in a worker, waiting for the running slot (not in its body).
-    held_row(k, "waiting_us")
+    wait_until(
+        lambda: row(k).waiting_us or len(setup.events.all(kind="unique_start", key=k)) > 1,
+        timeout=30, what="the second run waiting (or started)",
+    )
     assert len(setup.events.all(kind="unique_start", key=k)) == 1
+    assert row(k).waiting_us is not None
     setup.go(k)
     ends = setup.events.wait(2, kind="unique_end", key=k, timeout=30)
     starts = setup.events.all(kind="unique_start", key=k)
