@@ -164,7 +164,7 @@ def test_the_decorator_refuses_what_it_cannot_guard():
     async def coro(k):
         return k
 
-    with pytest.raises(TypeError, match="coroutine"):
+    with pytest.raises(TypeError, match="async function"):
         unique_task(coro)
 
     def reserved(k, distlock_unique=None):

@@ -44,16 +44,14 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.db import connections, router, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from distlock.backends import backend_for
 from distlock.constants import HOLDER_LENGTH
 from distlock.constants import TASK_KEY_TABLE as TABLE
-from distlock.core.locks import refuse_async
 from distlock.validation import check_name, check_seconds, check_ttl, check_using
 
 __all__ = ["POLICIES", "UNIQUE_KWARG", "aenqueue_once", "enqueue_once", "unique_task"]
@@ -153,7 +151,11 @@ def unique_task(func: Callable[..., R]) -> Callable[..., R | None]:
             "@unique_task must be placed under the task decorator (the task decorator "
             "goes on top), so that the worker runs the wrapped function"
         )
-    refuse_async(func, "@unique_task")
+    if iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+        raise TypeError(
+            f"@unique_task cannot guard {func.__qualname__}(), an async function: its "
+            "runs are sync (a task runner calls the function and gets a coroutine)"
+        )
     signature = inspect.signature(func)
     if UNIQUE_KWARG in signature.parameters:
         raise TypeError(
@@ -240,6 +242,8 @@ class _Plan:
 def _claim_key(connection: BaseDatabaseWrapper, plan: _Plan) -> int | None:
     """Upsert and lock the key row in the current transaction; the generation to send,
     or None if a task of the key covers this enqueue."""
+    from distlock.backends import backend_for
+
     backend = backend_for(connection)
     with connection.cursor() as cursor:
         cursor.execute(
@@ -364,6 +368,8 @@ class _Run:
 
     def _try(self) -> str:
         """One look at the key row, in a transaction of its own: "run", "skip" or "wait"."""
+        from distlock.backends import backend_for
+
         connection = connections[self.alias]
         backend = backend_for(connection)
         with transaction.atomic(using=self.alias), connection.cursor() as cursor:
