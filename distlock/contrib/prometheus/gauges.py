@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterable
 
 from django.db import connections
-from django.db.models import Count
+from django.db.models import Count, Q
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -51,6 +51,10 @@ EXPIRED_NOW = ("distlock_locks_expired", "Locks whose lease ran out and that nob
 WAITING_NOW = ("distlock_sessions_waiting", "Sessions waiting for a lock now, as the "
                "wake-up registrations show them (PostgreSQL); a session counts once per "
                "lock it waits for.")
+WITH_POLICY = ("distlock_locks_held_with_policy", "Locks held now whose grant has this "
+               "lease policy (min_hold, max_hold, lock_delay; a row in a lock-delay after a "
+               "break counts as lock_delay).", ["policy"])
+POLICIES = ("min_hold", "max_hold", "lock_delay")
 FAILURES = ("distlock_gauge_failures", "Scrapes whose database gauges could not be read "
             "(the gauges were left out of them).")
 
@@ -74,6 +78,24 @@ def read(alias: str) -> tuple[int, int, int | None]:
     return int(counts["held"]), int(counts["expired"]), waiting
 
 
+def read_policies(alias: str) -> dict[str, int]:
+    """Locks held now in database ``alias`` per lease policy, as their holder texts name
+    them (``[min_hold=5s lock_delay=2s] …``: distlock/core/policies.py). One COUNT over the
+    owned rows, as :func:`read`'s; the regular expression runs only on held rows whose
+    holder starts with ``[``."""
+    from distlock.models import Lock
+
+    now = db_now_us(alias)
+    held = Lock.objects.using(alias).filter(owner__gt="").filter(
+        state_is(HELD, now), holder__startswith="["
+    )
+    counts = held.aggregate(**{
+        policy: Count("pk", filter=Q(holder__regex=rf"^\[[^]]*{policy}="))
+        for policy in POLICIES
+    })
+    return {policy: int(counts[policy]) for policy in POLICIES}
+
+
 class DatabaseGauges(Collector):
     """The collector of the database-wide gauges (lock database ``using``, default
     distlock's, read at each scrape)."""
@@ -87,12 +109,14 @@ class DatabaseGauges(Collector):
         """The families without samples: registering the collector reads no database
         (it happens in ready(), before any request)."""
         return [GaugeMetricFamily(*HELD_NOW), GaugeMetricFamily(*EXPIRED_NOW),
-                GaugeMetricFamily(*WAITING_NOW), CounterMetricFamily(*FAILURES)]
+                GaugeMetricFamily(*WAITING_NOW), _policy_family(),
+                CounterMetricFamily(*FAILURES)]
 
     def collect(self) -> Iterable[Metric]:
         alias = self.using or conf.database()
         try:
             held, expired, waiting = read(alias)
+            with_policy = read_policies(alias)
         except Exception:
             # Whatever went wrong, the scrape of every other metric must still answer.
             logger.warning("distlock gauges: could not read database %r", alias,
@@ -105,7 +129,16 @@ class DatabaseGauges(Collector):
             yield GaugeMetricFamily(*EXPIRED_NOW, value=expired)
             if waiting is not None:
                 yield GaugeMetricFamily(*WAITING_NOW, value=waiting)
+            family = _policy_family()
+            for policy, count in with_policy.items():
+                family.add_metric([policy], count)
+            yield family
         yield CounterMetricFamily(*FAILURES, value=self._failures)
+
+
+def _policy_family() -> GaugeMetricFamily:
+    name, documentation, labels = WITH_POLICY
+    return GaugeMetricFamily(name, documentation, labels=labels)
 
 
 def _close_if_broken(alias: str) -> None:

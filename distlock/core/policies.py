@@ -1,0 +1,156 @@
+"""Lease policies: a minimum hold, a maximum hold and a lock-delay, judged by the database clock.
+
+- ``min_hold`` (ShedLock's ``lockAtLeastFor``): a release before ``acquired + min_hold``
+  keeps the grant — same owner, same token — until then, by shortening the row's expiry
+  to that moment instead of freeing it. Nobody else is granted the name before it.
+- ``max_hold``: every renewal is capped at ``acquired + max_hold`` and refused from then
+  on, so the lease ends there, auto-renewed or not.
+- ``lock_delay`` (Chubby's and Consul's lock-delay): after a lease ends without a release
+  (its holder died or stalled) or is broken, the name cannot be granted again for that
+  long.
+
+No new column and no new SQL function: the policies live where the grant path already
+looks. The lock-delay is carried in the row's expiry — the row of a grant with
+``lock_delay`` ends ``lock_delay`` after the holder's lease does, so every backend's grant
+condition (``owner = '' OR expires_us <= now``) already makes the next grant wait — and
+the policies are named at the start of the holder text (``[min_hold=5s lock_delay=2s]``),
+which is how a break, the admin and the metrics know them. A grant without policies
+pays nothing: :func:`resolve` returns None and every other step is skipped.
+docs/lease-policies.md has the guarantees and docs/decisions.md the choice.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from distlock.conf import conf
+from distlock.validation import check_seconds
+
+#: The owner of a row in a lock-delay after a break: not 32 hex digits, so no lease's owner
+#: (check_owner refuses it), and never empty, so the row counts as held until it ends.
+DELAY_OWNER = "lock-delay"
+
+#: Why a renewal past ``acquired + max_hold`` is refused (LockLost's reason).
+MAX_HOLD_REFUSED = "it reached its max_hold"
+
+# The holder text's prefix: "[min_hold=5s max_hold=1m lock_delay=2s] ".
+_PREFIX = re.compile(r"\[((?:(?:min_hold|max_hold|lock_delay)=[0-9.e+-]+s ?)+)\] ")
+
+# The value given when a call leaves a policy to its DISTLOCK_* setting.
+DEFAULT: Any = object()
+
+
+def seconds_text(seconds: float) -> str:
+    """``5`` -> ``"5s"``, ``0.25`` -> ``"0.25s"``: exact to the microsecond, read back by
+    :func:`named`."""
+    return f"{round(seconds, 6):.15g}s"
+
+
+class Policies:
+    """The policies of one grant, checked (seconds as floats; None: not in force)."""
+
+    __slots__ = ("delay_us", "label", "lock_delay", "max_hold", "min_hold")
+
+    def __init__(
+        self, min_hold: float | None, max_hold: float | None, lock_delay: float | None
+    ) -> None:
+        self.min_hold = min_hold
+        self.max_hold = max_hold
+        self.lock_delay = lock_delay
+        self.delay_us = 0 if lock_delay is None else round(lock_delay * 1e6)
+        parts = [
+            f"{key}={seconds_text(value)}"
+            for key, value in (
+                ("min_hold", min_hold), ("max_hold", max_hold), ("lock_delay", lock_delay)
+            )
+            if value is not None
+        ]
+        #: What the holder text starts with: ``"[min_hold=5s lock_delay=2s] "``.
+        self.label = f"[{' '.join(parts)}] "
+
+    def __repr__(self) -> str:
+        return f"<Policies {self.label.strip()}>"
+
+    @property
+    def min_hold_us(self) -> int | None:
+        return None if self.min_hold is None else round(self.min_hold * 1e6)
+
+    @property
+    def max_hold_us(self) -> int | None:
+        return None if self.max_hold is None else round(self.max_hold * 1e6)
+
+
+def _one(value: object, setting: str, what: str) -> float | None:
+    if value is DEFAULT:
+        value = getattr(conf, setting)
+    if value is None:
+        return None
+    seconds = check_seconds(value, what)
+    if seconds <= 0:
+        raise ValueError(f"{what} must be positive (None for no {what}), not {seconds}")
+    max_ttl = float(conf.MAX_TTL)
+    if seconds > max_ttl and what != "max_hold":
+        raise ValueError(f"{what} of {seconds} s is longer than DISTLOCK_MAX_TTL ({max_ttl} s)")
+    return seconds
+
+
+def resolve(ttl: float, min_hold: object, max_hold: object, lock_delay: object) -> Policies | None:
+    """The policies of a grant of ``ttl`` seconds, from the call's values and the settings
+    (``DEFAULT``: the setting; None: none). None when no policy is in force.
+
+    Raises TypeError/ValueError, before any SQL, for a value that is not a positive number
+    of seconds (or a timedelta), a ``min_hold`` longer than ``ttl`` (the lease would end
+    before the hold it promises) and a ``max_hold`` shorter than ``ttl`` (the first grant
+    would already outlast it).
+    """
+    if (
+        min_hold is DEFAULT and max_hold is DEFAULT and lock_delay is DEFAULT
+        and conf.MIN_HOLD is None and conf.MAX_HOLD is None and conf.LOCK_DELAY is None
+    ):
+        return None  # the common case: no policy anywhere, four lookups.
+    least = _one(min_hold, "MIN_HOLD", "min_hold")
+    most = _one(max_hold, "MAX_HOLD", "max_hold")
+    delay = _one(lock_delay, "LOCK_DELAY", "lock_delay")
+    if least is None and most is None and delay is None:
+        return None
+    if least is not None and least > ttl:
+        raise ValueError(
+            f"min_hold of {least} s is longer than the ttl ({ttl} s): the lease would end "
+            "before the hold; give a ttl at least as long"
+        )
+    if most is not None and most < ttl:
+        raise ValueError(
+            f"max_hold of {most} s is shorter than the ttl ({ttl} s): the first grant "
+            "would already outlast it; give a ttl at most as long"
+        )
+    return Policies(least, most, delay)
+
+
+def named(holder: str) -> dict[str, float]:
+    """The policies a holder text names at its start (``{}``: none)."""
+    if not holder.startswith("["):
+        return {}
+    match = _PREFIX.match(holder)
+    if match is None:
+        return {}
+    found: dict[str, float] = {}
+    for part in match.group(1).split():
+        key, _, value = part.partition("=")
+        try:
+            found[key] = float(value[:-1])
+        except ValueError:
+            continue
+    return found
+
+
+def delay_after_break(owner: str, holder: str) -> int:
+    """The lock-delay (µs) a break of this grant starts: its own ``lock_delay``, if any.
+
+    A row already in a lock-delay after a break is freed at once by another break: that
+    is how an operator ends a delay early.
+    """
+    if owner == DELAY_OWNER:
+        return 0
+    delay = named(holder).get("lock_delay")
+    return 0 if delay is None else round(delay * 1e6)
