@@ -30,13 +30,12 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from distlock.backends.floor import TokenFloorSQL
 from distlock.backends.indexes import IndexSQL
 from distlock.backends.lean_cursor import forget as forget_lean_cursor
-from distlock.backends.policies import PolicySQL
+from distlock.backends.policies import PolicySQL, delay_after_break
 from distlock.backends.results import RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.backends.site_checks import SchemaChecks
 from distlock.backends.waiting import WaitingSQL
 from distlock.constants import LOCK_TABLE as TABLE
 from distlock.constants import MAX_TOKEN
-from distlock.core.policies import delay_after_break
 
 
 class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SchemaChecks, PolicySQL):

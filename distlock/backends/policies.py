@@ -1,5 +1,6 @@
-"""The lease policies' SQL (distlock/core/policies.py): portable, a base of
-:class:`~distlock.backends.base.Backend`, kept apart because it is one concern of its own.
+"""The lease policies' SQL (distlock/core/policies.py) and their part of the holder text:
+portable, a base of :class:`~distlock.backends.base.Backend`, kept apart because it is one
+concern of its own. The holder text's part lives here because a break reads it.
 
 Only grants made with a policy run these; every grant path stays as it was. Each operation
 is the usual shape (:mod:`distlock.backends.base`): the row locked first, then a
@@ -8,12 +9,58 @@ conditional UPDATE whose clock is read after that, by the database.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from distlock.backends.results import RENEW_REFUSED, Grant
 from distlock.constants import HOLDER_LENGTH
 from distlock.constants import LOCK_TABLE as TABLE
-from distlock.core.policies import DELAY_OWNER, MAX_HOLD_REFUSED, seconds_text
+
+#: The owner of a row in a lock-delay after a break: not 32 hex digits, so no lease's owner
+#: (check_owner refuses it), and never empty, so the row counts as held until it ends.
+DELAY_OWNER = "lock-delay"
+
+#: Why a renewal past ``acquired + max_hold`` is refused (LockLost's reason).
+MAX_HOLD_REFUSED = "it reached its max_hold"
+
+# The holder text's prefix: "[min_hold=5s max_hold=60s lock_delay=2s] ".
+_PREFIX = re.compile(r"\[((?:(?:min_hold|max_hold|lock_delay)=[0-9.e+-]+s ?)+)\] ")
+
+
+def seconds_text(seconds: float) -> str:
+    """``5`` -> ``"5s"``, ``0.25`` -> ``"0.25s"``: exact to the microsecond, read back by
+    :func:`named`."""
+    return f"{round(seconds, 6):.15g}s"
+
+
+def named(holder: str) -> dict[str, float]:
+    """The policies a holder text names at its start (``{}``: none)."""
+    if not holder.startswith("["):
+        return {}
+    match = _PREFIX.match(holder)
+    if match is None:
+        return {}
+    found: dict[str, float] = {}
+    for part in match.group(1).split():
+        key, _, value = part.partition("=")
+        try:
+            found[key] = float(value[:-1])
+        except ValueError:
+            continue
+    return found
+
+
+def delay_after_break(owner: str, holder: str) -> int:
+    """The lock-delay (µs) a break of this grant starts: its own ``lock_delay``, if any.
+
+    A row already in a lock-delay after a break is freed at once by another break: that
+    is how an operator ends a delay early.
+    """
+    if owner == DELAY_OWNER:
+        return 0
+    delay = named(holder).get("lock_delay")
+    return 0 if delay is None else round(delay * 1e6)
+
 
 
 class PolicySQL:

@@ -21,30 +21,20 @@ docs/lease-policies.md has the guarantees and docs/decisions.md the choice.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
+from distlock.backends.policies import DELAY_OWNER, MAX_HOLD_REFUSED, named, seconds_text
 from distlock.conf import conf
 from distlock.validation import check_seconds
 
-#: The owner of a row in a lock-delay after a break: not 32 hex digits, so no lease's owner
-#: (check_owner refuses it), and never empty, so the row counts as held until it ends.
-DELAY_OWNER = "lock-delay"
-
-#: Why a renewal past ``acquired + max_hold`` is refused (LockLost's reason).
-MAX_HOLD_REFUSED = "it reached its max_hold"
-
-# The holder text's prefix: "[min_hold=5s max_hold=1m lock_delay=2s] ".
-_PREFIX = re.compile(r"\[((?:(?:min_hold|max_hold|lock_delay)=[0-9.e+-]+s ?)+)\] ")
+# Re-exported: the holder text's part is the backends' (they read it when breaking).
+__all__ = [
+    "DEFAULT", "DELAY_OWNER", "MAX_HOLD_REFUSED", "Policies", "named", "resolve",
+    "seconds_text",
+]
 
 # The value given when a call leaves a policy to its DISTLOCK_* setting.
 DEFAULT: Any = object()
-
-
-def seconds_text(seconds: float) -> str:
-    """``5`` -> ``"5s"``, ``0.25`` -> ``"0.25s"``: exact to the microsecond, read back by
-    :func:`named`."""
-    return f"{round(seconds, 6):.15g}s"
 
 
 class Policies:
@@ -125,32 +115,3 @@ def resolve(ttl: float, min_hold: object, max_hold: object, lock_delay: object) 
             "would already outlast it; give a ttl at most as long"
         )
     return Policies(least, most, delay)
-
-
-def named(holder: str) -> dict[str, float]:
-    """The policies a holder text names at its start (``{}``: none)."""
-    if not holder.startswith("["):
-        return {}
-    match = _PREFIX.match(holder)
-    if match is None:
-        return {}
-    found: dict[str, float] = {}
-    for part in match.group(1).split():
-        key, _, value = part.partition("=")
-        try:
-            found[key] = float(value[:-1])
-        except ValueError:
-            continue
-    return found
-
-
-def delay_after_break(owner: str, holder: str) -> int:
-    """The lock-delay (µs) a break of this grant starts: its own ``lock_delay``, if any.
-
-    A row already in a lock-delay after a break is freed at once by another break: that
-    is how an operator ends a delay early.
-    """
-    if owner == DELAY_OWNER:
-        return 0
-    delay = named(holder).get("lock_delay")
-    return 0 if delay is None else round(delay * 1e6)
