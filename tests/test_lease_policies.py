@@ -147,6 +147,7 @@ def test_a_killed_holders_lock_waits_out_its_lock_delay_after_the_lease(children
     holder.signal(signal.SIGKILL)
     held = row("ld:killed")
     # The row ends lock_delay after the holder's lease.
+    assert got["expires_us"] == held.acquired_us + 500_000
     assert held.expires_us == got["expires_us"] + 1_500_000
     assert held.holder.startswith("[lock_delay=1.5s] ")
     past(got["expires_us"])
@@ -162,6 +163,8 @@ def test_a_killed_holders_lock_waits_out_its_lock_delay_after_the_lease(children
 def test_lock_delay_after_an_expiry_and_not_after_a_release():
     lease = acquire("ld:expiry", ttl=0.3, lock_delay=1)
     end = us(lease.expires_at)
+    # The holder's lease is its ttl; the row ends lock_delay after it.
+    assert end == row("ld:expiry").acquired_us + 300_000
     assert row("ld:expiry").expires_us == end + 1_000_000
     past(end)
     early = acquire("ld:expiry", ttl=30, blocking=False)
