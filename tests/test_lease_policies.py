@@ -79,6 +79,16 @@ def test_a_release_after_min_hold_frees_at_once_and_a_release_of_a_lost_lease_ke
     assert row("mh:broken").owner == ""
 
 
+def test_a_waiting_acquire_gets_the_lock_when_the_hold_ends():
+    """Nobody is woken when a hold ends (it is no release): a waiter's pause ends with the
+    holder's lease, as for any expiry."""
+    lease = acquire("mh:wait", ttl=30, min_hold=1)
+    assert lease.release() is True
+    end = row("mh:wait").expires_us
+    waited = acquire("mh:wait", ttl=30, timeout=20)
+    assert waited is not None and us(waited.acquired_at) >= end
+
+
 @pytest.mark.processes
 def test_another_process_cannot_get_a_lock_kept_by_min_hold(children):
     child = children.start(f"{WORKERS}:try_once", "mh:proc")
@@ -330,3 +340,24 @@ def test_no_policy_costs_no_holder_prefix_and_no_delay():
     lease = acquire("pp:plain", ttl=30)
     assert lease.policies is None and not lease.holder.startswith("[")
     assert row("pp:plain").expires_us == us(lease.expires_at)
+
+
+def test_leaders_and_periodic_jobs_take_no_policy_from_the_settings(settings):
+    from distlock import current_lease
+    from distlock.leader import elect
+    from distlock.periodic import periodic_once
+
+    settings.DISTLOCK_MAX_HOLD = 1  # shorter than their ttls: would raise if applied
+    settings.DISTLOCK_LOCK_DELAY = 5
+    term = elect("pl:leader", ttl=30)
+    assert term is not None and term.lease.policies is None
+    assert term.resign() is True
+    assert row("pl:leader").owner == ""  # freed at once: no delay
+
+    @periodic_once("pl:job", every=60)
+    def job() -> str:
+        lease = current_lease()
+        assert lease is not None and lease.policies is None
+        return "ran"
+
+    assert job() == "ran"
