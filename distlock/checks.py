@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, cast
 
 from django.conf import settings
@@ -51,6 +52,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             "DISTLOCK_LISTENING_WAITERS must be a whole number of at least 1.",
             id="distlock.E005",
         ))
+    errors.extend(_policy_errors())
     if (
         positive_seconds(conf.DEFAULT_TTL) and positive_seconds(conf.MAX_TTL)
         and conf.DEFAULT_TTL > conf.MAX_TTL
@@ -58,6 +60,38 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         errors.append(Error(
             "DISTLOCK_DEFAULT_TTL is larger than DISTLOCK_MAX_TTL.", id="distlock.E005",
         ))
+    return errors
+
+
+def _policy_errors() -> list[CheckMessage]:
+    """DISTLOCK_MIN_HOLD, _MAX_HOLD and _LOCK_DELAY (docs/lease-policies.md): each None or a
+    positive duration, and the default ttl within the holds (else every call that leaves
+    its ttl and holds to the settings would raise)."""
+    errors: list[CheckMessage] = []
+    values: dict[str, float] = {}
+    for name in ("MIN_HOLD", "MAX_HOLD", "LOCK_DELAY"):
+        value = getattr(conf, name)
+        if isinstance(value, timedelta):
+            value = value.total_seconds()
+        if value is None:
+            continue
+        if positive_seconds(value):
+            values[name] = float(value)
+        else:
+            errors.append(Error(
+                f"DISTLOCK_{name} must be None or a positive number of seconds (or a "
+                "timedelta).", id="distlock.E005",
+            ))
+    ttl = conf.DEFAULT_TTL
+    if positive_seconds(ttl):
+        if values.get("MIN_HOLD", 0) > ttl:
+            errors.append(Error(
+                "DISTLOCK_MIN_HOLD is longer than DISTLOCK_DEFAULT_TTL.", id="distlock.E005",
+            ))
+        if values.get("MAX_HOLD", ttl) < ttl:
+            errors.append(Error(
+                "DISTLOCK_MAX_HOLD is shorter than DISTLOCK_DEFAULT_TTL.", id="distlock.E005",
+            ))
     return errors
 
 

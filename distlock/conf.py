@@ -46,6 +46,14 @@ DEFAULTS: dict[str, Any] = {
     # in a database crash leaves the lock held until that lease's expiry, as a crashed
     # holder does; grants and renewals always wait (see postgresql_functions.py).
     "DISTLOCK_DURABLE_RELEASE": False,
+    # Lease policies every grant gets unless its call says otherwise (seconds or
+    # timedelta; None: none). See docs/lease-policies.md.
+    # A release before acquired + MIN_HOLD keeps the lock until then (lockAtLeastFor).
+    "DISTLOCK_MIN_HOLD": None,
+    # Renewals stop at acquired + MAX_HOLD: the lease ends there.
+    "DISTLOCK_MAX_HOLD": None,
+    # After a lease ends without a release, or is broken, the name waits this long.
+    "DISTLOCK_LOCK_DELAY": None,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,
     # Audit events older than this many seconds (or timedelta) are deleted by

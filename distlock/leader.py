@@ -102,7 +102,10 @@ def elect(
     """Campaign for ``name`` until elected (or ``timeout`` seconds, None: for ever) and
     return the :class:`Term`, renewed in a helper thread until :meth:`Term.resign`;
     None if not elected in time. Raises what :func:`~distlock.acquire` raises."""
-    holder_lease = acquire(name, ttl=ttl, timeout=timeout, using=using, holder=holder)
+    holder_lease = acquire(
+        name, ttl=ttl, timeout=timeout, using=using, holder=holder,
+        min_hold=None, max_hold=None, lock_delay=None,  # a leader leads until it loses
+    )
     if holder_lease is None:
         return None
     term = Term(holder_lease)
@@ -116,7 +119,10 @@ async def aelect(
 ) -> Term | None:
     """:func:`elect` for async code: the renewal is an asyncio task of the running loop,
     so the term lasts while the loop runs; end it with ``await term.aresign()``."""
-    holder_lease = await aacquire(name, ttl=ttl, timeout=timeout, using=using, holder=holder)
+    holder_lease = await aacquire(
+        name, ttl=ttl, timeout=timeout, using=using, holder=holder,
+        min_hold=None, max_hold=None, lock_delay=None,  # a leader leads until it loses
+    )
     if holder_lease is None:
         return None
     term = Term(holder_lease)

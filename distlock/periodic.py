@@ -116,6 +116,7 @@ def periodic_once(
             lease = acquire(
                 _instant_name(name, instant_us), ttl=ttl_s, timeout=0, using=alias,
                 holder=holder,
+                min_hold=None, max_hold=None, lock_delay=None,  # not the settings'
             )
             if lease is None:
                 logger.debug("periodic job %r: the period of %s has run", name, instant_us)

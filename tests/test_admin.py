@@ -1301,6 +1301,33 @@ def test_the_lock_page_answers_everything_about_one_lock(su_client, settings):
     assert f'id="distlock-timeline-link" href="{timeline}"' in html
 
 
+def test_the_lock_page_shows_the_lease_policies_in_force(su_client):
+    """Issue 30: a grant's policies, each with the moment it sets; a lock-delay with both
+    ends (the holder's lease and the row's), also after a break."""
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \S+ \((in \d+ s|in \d+ min|now|\d s ago)\)"
+    lease = acquire("page:policies", ttl=600, min_hold=5, max_hold=900, lock_delay=2)
+    page = su_client.get(reverse(LOCK_PAGE, args=["page:policies"]))
+    text = field(page, "lease_policies")
+    assert re.fullmatch(
+        rf"min_hold 5s: a release before {stamp} keeps it until then; "
+        rf"max_hold 900s: no renewal past {stamp}; "
+        rf"lock_delay 2s: the lease ends ({stamp}), the row ({stamp}) "
+        r"\(nobody else is granted it before\)", text), text
+    row = Lock.objects.get(name="page:policies")
+    lease_end = localtime(from_us(row.expires_us - 2_000_000)).strftime("%H:%M:%S.%f")[:-3]
+    row_end = localtime(from_us(row.expires_us)).strftime("%H:%M:%S.%f")[:-3]
+    assert lease_end in text and row_end in text and lease_end != row_end
+    assert break_lock("page:policies") is True
+    page = su_client.get(reverse(LOCK_PAGE, args=["page:policies"]))
+    assert re.fullmatch(
+        rf"lock_delay 2s: the broken lease ended {stamp}, the row {stamp} "
+        r"\(nobody else is granted it before\)", field(page, "lease_policies"))
+    acquire("page:nopolicy", ttl=30)
+    page = su_client.get(reverse(LOCK_PAGE, args=["page:nopolicy"]))
+    assert field(page, "lease_policies") == "none"
+    assert lease.release() is False
+
+
 def test_a_lock_never_broken_or_renewed_says_so(su_client, settings):
     settings.DISTLOCK_AUDIT = True
     acquire("page:calm", ttl=30)

@@ -332,6 +332,32 @@ def test_database_gauges_count_held_and_expired_locks_at_scrape_time(lock_db, ga
     assert (found["distlock_locks_held"], found["distlock_locks_expired"]) == (0, 0)
 
 
+def test_the_policy_gauge_counts_held_locks_per_lease_policy(lock_db, gauge_registry):
+    """Issue 30: the policies in force. Only held locks whose grant has the policy count;
+    a lock-delay after a break counts as lock_delay; a caller's own "[min_hold=…]" text
+    after the host and pid does not."""
+    from prometheus_client import generate_latest
+
+    from distlock import break_lock
+
+    acquire("gp:plain", ttl=600)
+    acquire("gp:plain2", ttl=600, holder="[min_hold=5s] not a policy")
+    acquire("gp:both", ttl=600, min_hold=5, lock_delay=2)
+    acquire("gp:most", ttl=600, max_hold=900)
+    acquire("gp:broken", ttl=600, lock_delay=600)
+    break_lock("gp:broken")
+    acquire("gp:released", ttl=600, lock_delay=2).release()
+    expired_lock("gp:expired")  # no policy, and expired
+    text = generate_latest(gauge_registry).decode()
+    found = {
+        sample.labels["policy"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "distlock_locks_held_with_policy"
+    }
+    assert found == {"min_hold": 1, "max_hold": 1, "lock_delay": 2}
+
+
 def test_a_failed_gauge_query_leaves_the_gauges_out_and_the_scrape_answers(
     lock_db, gauge_registry, caplog
 ):

@@ -25,6 +25,7 @@ from distlock.admin.views.timeline import URL_NAME as TIMELINE_URL_NAME
 from distlock.backends.indexes import RARE_KINDS_SQL
 from distlock.conf import conf
 from distlock.core.inspection import LockStatus, lock_status
+from distlock.core.policies import DELAY_OWNER, named, seconds_text
 from distlock.core.status import EXPIRED, LockWithState, duration, relative
 from distlock.models import Lock, LockEvent
 from distlock.times import EPOCH
@@ -133,6 +134,35 @@ class LockPage(LockModelAdmin):
             how = format_html("broken {} by {}", relative(obj.expires_us, obj.db_now_us),
                               event.by or "?")
         return format_html("{} — {}", how, _exact(obj.expires_us, obj.db_now_us))
+
+    @admin.display(description="lease policies")
+    def lease_policies(self, obj: LockWithState) -> str:
+        """The grant's min_hold/max_hold/lock_delay (named in its holder text), each with
+        the moment it sets by the database clock; a lock-delay with both ends: the
+        holder's lease and the row's, until which nobody else is granted it."""
+        found = named(obj.holder) if obj.owner else {}
+        if not found:
+            return "none"
+        now, acquired, expires = obj.db_now_us, obj.acquired_us or 0, obj.expires_us or 0
+        parts = []
+        least = found.get("min_hold")
+        if least is not None:
+            parts.append(format_html(
+                "min_hold {}: a release before {} keeps it until then",
+                seconds_text(least), _exact(acquired + round(least * 1e6), now)))
+        most = found.get("max_hold")
+        if most is not None:
+            parts.append(format_html(
+                "max_hold {}: no renewal past {}", seconds_text(most),
+                _exact(acquired + round(most * 1e6), now)))
+        delay = found.get("lock_delay")
+        if delay is not None:
+            lease_end = expires - round(delay * 1e6)
+            whose = "the broken lease ended" if obj.owner == DELAY_OWNER else "the lease ends"
+            parts.append(format_html(
+                "lock_delay {}: {} {}, the row {} (nobody else is granted it before)",
+                seconds_text(delay), whose, _exact(lease_end, now), _exact(expires, now)))
+        return format_html_join("; ", "{}", ((part,) for part in parts))
 
     @admin.display(description="waiting")
     def waiters(self, obj: Lock) -> str:

@@ -81,7 +81,8 @@ class LockAdmin(NameSearch, LockPage, LockBreaking):
     # (immutable, so covariant) suits both.
     fields = (
         "name", "state_badge", "holder", "owner", "token", "held_for", "acquired_at",
-        "renewed_at", "expires_at", "waiters", "last_hour", "broken_by", "history",
+        "renewed_at", "expires_at", "lease_policies", "waiters", "last_hour", "broken_by",
+        "history",
     )
     # A free lock has no expiry: its page says how and when it was freed instead.
     readonly_fields = (*fields, "freed_at")

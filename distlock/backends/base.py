@@ -30,6 +30,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from distlock.backends.floor import TokenFloorSQL
 from distlock.backends.indexes import IndexSQL
 from distlock.backends.lean_cursor import forget as forget_lean_cursor
+from distlock.backends.policies import PolicySQL, delay_after_break
 from distlock.backends.results import RENEW_REFUSED, Busy, Grant, exhausted
 from distlock.backends.site_checks import SchemaChecks
 from distlock.backends.waiting import WaitingSQL
@@ -37,7 +38,7 @@ from distlock.constants import LOCK_TABLE as TABLE
 from distlock.constants import MAX_TOKEN
 
 
-class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SchemaChecks):
+class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SchemaChecks, PolicySQL):
     """One database vendor's SQL and facts. One instance per vendor, shared by threads:
     it keeps no state of its own (per-connection state lives on the connection)."""
 
@@ -375,11 +376,16 @@ class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SchemaChecks):
             return None
         if token is not None and token != current_token:
             return None
-        cursor.execute(
-            f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {self.now_sql()} "
-            "WHERE name = %s AND token = %s",
-            [name, current_token],
-        )
+        delay_us = delay_after_break(current_owner, holder)
+        if delay_us:
+            # A grant made with lock_delay: the name waits that long (backends/policies.py).
+            self.break_into_delay(cursor, name, current_token, delay_us)
+        else:
+            cursor.execute(
+                f"UPDATE {TABLE} SET owner = '', holder = '', expires_us = {self.now_sql()} "
+                "WHERE name = %s AND token = %s",
+                [name, current_token],
+            )
         self.broken(cursor, name)
         return current_owner, current_token, holder
 

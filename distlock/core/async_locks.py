@@ -143,6 +143,9 @@ async def aacquire(
     holder: str = "",
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
+    min_hold: Seconds | None = DEFAULT,
+    max_hold: Seconds | None = DEFAULT,
+    lock_delay: Seconds | None = DEFAULT,
 ) -> Lease | None:
     """acquire() for async code: the same arguments, results and exceptions.
 
@@ -156,6 +159,7 @@ async def aacquire(
     request = Request(
         name, ttl, blocking, timeout, using,
         f"task={task.get_name()} {holder}".strip() if task is not None else holder,
+        min_hold, max_hold, lock_delay,
     )
     refuse_nested(request.name, request.alias)
     give_up = None if request.wait is None else request.began + request.wait
@@ -235,10 +239,13 @@ def alocked(
     using: str | None = None,
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
+    min_hold: Seconds | None = DEFAULT,
+    max_hold: Seconds | None = DEFAULT,
+    lock_delay: Seconds | None = DEFAULT,
 ) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """locked() for ``async def`` functions: each call runs under ``alock`` named from
     its arguments. A plain function raises TypeError at decoration."""
-    template = name_template(name, ttl, timeout)
+    template = name_template(name, ttl, timeout, min_hold, max_hold, lock_delay)
 
     def decorate(
         func: Callable[P, Coroutine[Any, Any, R]],
@@ -251,6 +258,7 @@ def alocked(
             async with alock(
                 namer(args, kwargs), ttl=ttl, timeout=timeout,
                 using=using, auto_renew=auto_renew, on_lost=on_lost,
+                min_hold=min_hold, max_hold=max_hold, lock_delay=lock_delay,
             ):
                 return await func(*args, **kwargs)
 

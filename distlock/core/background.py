@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Protocol
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from distlock import db
 from distlock.conf import conf
 
 if TYPE_CHECKING:
@@ -48,9 +47,7 @@ class DeferredRelease(threading.Thread):
             if self.renewer is not None:
                 self.renewer.stop()
             with lease._mutex:
-                held, released_us = db.run(
-                    lease.using, "release", lease.name, lease.owner, lease.token
-                )
+                held, released_us = lease._release_in_database()
             lease._released_by_database(held, released_us)
         except BaseException:  # noqa: BLE001 - nobody to raise to: the lease expires
             logger.exception(

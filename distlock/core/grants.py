@@ -25,6 +25,7 @@ from distlock.backends.base import Backend
 from distlock.backends.results import Busy, Grant
 from distlock.conf import conf
 from distlock.constants import HOLDER_LENGTH
+from distlock.core import policies
 from distlock.core.leases import Lease, logger
 from distlock.validation import (
     Seconds,
@@ -35,8 +36,9 @@ from distlock.validation import (
     check_using,
 )
 
-# The ``timeout`` default: DISTLOCK_DEFAULT_TIMEOUT, read when the lock is asked for.
-DEFAULT: Any = object()
+# The ``timeout`` default: DISTLOCK_DEFAULT_TIMEOUT, read when the lock is asked for (and
+# the lease policies' default: their DISTLOCK_* settings).
+DEFAULT: Any = policies.DEFAULT
 
 
 # "host pid=N thread=": the same for every acquire of this process. Made at the first
@@ -74,16 +76,18 @@ class Request:
     """One acquire's arguments, checked before any SQL, and the owner id of its grant."""
 
     __slots__ = (
-        "alias", "backend", "began", "blocking", "description", "name", "owner", "seconds",
-        "ttl_us", "wait",
+        "alias", "backend", "began", "blocking", "delay_us", "description", "name", "owner",
+        "policies", "seconds", "ttl_us", "wait",
     )
 
     def __init__(
         self, name: str, ttl: Seconds | None, blocking: bool, timeout: Seconds | None,
-        using: str | None, holder: str,
+        using: str | None, holder: str, min_hold: object = DEFAULT,
+        max_hold: object = DEFAULT, lock_delay: object = DEFAULT,
     ) -> None:
         self.name = check_name(name)
         self.seconds = check_ttl(ttl)
+        self.policies = policies.resolve(self.seconds, min_hold, max_hold, lock_delay)
         self.wait = wait_limit(timeout)
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be a bool, not {type(blocking).__name__}")
@@ -97,6 +101,12 @@ class Request:
         self.owner = os.urandom(16).hex()
         self.description = describe_holder(holder)
         self.ttl_us = round(self.seconds * 1e6)
+        self.delay_us = 0
+        if self.policies is not None:
+            # Named in the holder text; the lock-delay carried in the row's expiry.
+            self.description = (self.policies.label + self.description)[:HOLDER_LENGTH]
+            self.delay_us = self.policies.delay_us
+            self.ttl_us += self.delay_us
         # When the caller asked: the start of the wait that lock_acquired and
         # lock_not_acquired report (one clock read per acquire, not per try).
         self.began = time.monotonic()
@@ -207,9 +217,11 @@ def grant_lease(request: Request, started: float, result: Grant) -> Lease:
         backend = backend_for(connections[alias])
     lease = Lease._granted(
         request.name, request.owner, result.token, using=alias, ttl=seconds,
-        expires_us=result.expires_us, acquired_us=result.acquired_us,
+        expires_us=result.expires_us - request.delay_us, acquired_us=result.acquired_us,
         holder=request.description, deadline=started + seconds - backend.clock_resolution,
     )
+    if request.policies is not None:
+        lease.policies = request.policies
     signals.lock_acquired.send(
         sender=Lease, lease=lease, took_over=result.took_over, waited=started - request.began,
     )

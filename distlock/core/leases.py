@@ -17,6 +17,7 @@ from distlock.backends import backend_for
 from distlock.backends.results import Grant
 from distlock.core import uncommitted
 from distlock.core.background import AsyncRenewer, DeferredRelease, Renewer, ThreadRenewer
+from distlock.core.policies import Policies
 from distlock.core.shielding import shielded
 from distlock.exceptions import LockLost
 from distlock.times import from_us
@@ -46,7 +47,11 @@ class Lease:
     ``expires_at`` is the database's view; :meth:`remaining` is the holder's own, started
     before the acquire request left, so it never ends later than the database's — as long
     as this host's clock runs no slower than the database server's (see there).
+    ``policies`` are the grant's lease policies (docs/lease-policies.md), None without.
     """
+
+    #: The grant's min_hold/max_hold/lock_delay (None: none, the common case).
+    policies: Policies | None = None
 
     def __init__(
         self, name: str, owner: str, token: int, *, using: str, ttl: float,
@@ -195,15 +200,23 @@ class Lease:
             if self._lost_reason is not None:
                 raise LockLost(self.name, self.token, self._lost_reason)
             started = time.monotonic()
-            result: Grant | str = db.run(
-                self.using, "renew", self.name, self.owner, self.token, round(seconds * 1e6)
-            )
+            policies = self.policies
+            result: Grant | str
+            if policies is None:
+                result = db.run(
+                    self.using, "renew", self.name, self.owner, self.token, round(seconds * 1e6)
+                )
+            else:
+                result = self._renew_with(policies, round(seconds * 1e6))
             if isinstance(result, str):
                 self._lose(result)
                 raise LockLost(self.name, self.token, result)
             resolution = backend_for(connections[self.using]).clock_resolution
-            self._deadline = started + seconds - resolution
             self.ttl = seconds
+            if policies is not None:
+                # A renewal capped by max_hold grants less than asked.
+                seconds = min(seconds, (result.expires_us - result.acquired_us) / 1e6)
+            self._deadline = started + seconds - resolution
             self._expires = result.expires_us
         signals.lock_renewed.send(sender=Lease, lease=self)
 
@@ -225,14 +238,49 @@ class Lease:
         with self._mutex:
             if self._released:
                 return False
-            released: tuple[bool, int | None] = db.run(
-                self.using, "release", self.name, self.owner, self.token
-            )
-            held, released_us = released
+            held, released_us = self._release_in_database()
             # Only now: a release that failed (database down) may be tried again.
             self._released = True
         self._released_by_database(held, released_us)
         return held
+
+    def _renew_with(self, policies: Policies, ttl_us: int) -> Grant | str:
+        """A renewal under lease policies: the row's expiry carries the lock-delay, and
+        ``max_hold`` caps it (and refuses it once reached). The Grant's expiry is the
+        holder's, without the delay."""
+        delay_us, most_us = policies.delay_us, policies.max_hold_us
+        result: Grant | str
+        if most_us is None:
+            result = db.run(
+                self.using, "renew", self.name, self.owner, self.token, ttl_us + delay_us
+            )
+        else:
+            result = db.run(
+                self.using, "renew_within", self.name, self.owner, self.token,
+                ttl_us, most_us, delay_us,
+            )
+        if isinstance(result, str):
+            return result
+        return Grant(result.token, result.acquired_us, result.expires_us - delay_us)
+
+    def _release_in_database(self) -> tuple[bool, int | None]:
+        """The release's one operation (two under a ``min_hold`` that has run out): (was it
+        held, when it ends by the database clock). Under a ``min_hold`` not run out yet the
+        grant is kept, owner and token, until ``acquired + min_hold``, which it returns."""
+        policies = self.policies
+        if policies is not None:
+            least_us = policies.min_hold_us
+            if least_us is not None:
+                kept: int | None = db.run(
+                    self.using, "keep_until_min_hold", self.name, self.owner, self.token,
+                    least_us,
+                )
+                if kept is not None:
+                    return True, kept
+        released: tuple[bool, int | None] = db.run(
+            self.using, "release", self.name, self.owner, self.token
+        )
+        return released
 
     async def arenew(self, ttl: float | None = None) -> None:
         """renew() for async code, run as Django runs its async ORM calls (sync_to_async,

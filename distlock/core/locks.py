@@ -17,7 +17,7 @@ from django.db import connections
 
 from distlock import db, signals
 from distlock.backends.results import Busy, Grant
-from distlock.core import grants, uncommitted
+from distlock.core import grants, policies, uncommitted
 from distlock.core.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
 from distlock.core.leases import Lease, LostCallback
 from distlock.exceptions import LockTimeout, NestedLock
@@ -132,6 +132,9 @@ def acquire(
     holder: str = "",
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
+    min_hold: Seconds | None = DEFAULT,
+    max_hold: Seconds | None = DEFAULT,
+    lock_delay: Seconds | None = DEFAULT,
 ) -> Lease | None:
     """Acquire lock ``name`` and return its Lease, or None if it could not be had.
 
@@ -140,7 +143,10 @@ def acquire(
     passed (default ``DISTLOCK_DEFAULT_TIMEOUT``; None waits for as long as it takes).
     The grant is committed before this returns. ``ttl`` (seconds or timedelta) is the
     lease length, counted by the database clock. ``auto_renew`` renews in a helper
-    thread; ``on_lost(lease, exc)`` is called there if a renewal fails.
+    thread; ``on_lost(lease, exc)`` is called there if a renewal fails. ``min_hold``,
+    ``max_hold`` and ``lock_delay`` are the lease policies (default: their
+    ``DISTLOCK_*`` settings; None: none), judged by the database clock
+    (docs/lease-policies.md).
 
     Raises TypeError/ValueError for bad arguments (nothing is written), NestedLock at
     once inside a ``lock()`` block of the same name in this thread (see
@@ -151,7 +157,9 @@ def acquire(
     a wait for the lock row cut short by the connection's own ``lock_timeout``,
     ``statement_timeout`` or ``innodb_lock_wait_timeout``, which counts as busy.
     """
-    request = Request(name, ttl, blocking, timeout, using, holder)
+    request = Request(
+        name, ttl, blocking, timeout, using, holder, min_hold, max_hold, lock_delay
+    )
     refuse_nested(request.name, request.alias)
     uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
     give_up = None if request.wait is None else request.began + request.wait
@@ -235,10 +243,13 @@ class LockBlock:
         holder: str = "",
         auto_renew: bool = False,
         on_lost: LostCallback | None = None,
+        min_hold: Seconds | None = DEFAULT,
+        max_hold: Seconds | None = DEFAULT,
+        lock_delay: Seconds | None = DEFAULT,
     ) -> None:
         # Check everything now, so a bad decorator fails at import, not at first call.
         check_name(name)
-        check_ttl(ttl)
+        policies.resolve(check_ttl(ttl), min_hold, max_hold, lock_delay)
         grants.wait_limit(timeout)
         check_text(holder, "holder")
         if using is not None:
@@ -247,6 +258,7 @@ class LockBlock:
         self._options: dict[str, Any] = {
             "ttl": ttl, "timeout": timeout, "using": using,
             "holder": holder, "auto_renew": auto_renew, "on_lost": on_lost,
+            "min_hold": min_hold, "max_hold": max_hold, "lock_delay": lock_delay,
         }
         self.lease: Lease | None = None
         self._token: contextvars.Token[_Held] | None = None
@@ -305,10 +317,15 @@ class lock(LockBlock, ContextDecorator):  # noqa: N801 - reads like a function, 
         block_ended(lease, lease.release())
 
 
-def name_template(name: str, ttl: Seconds | None, timeout: Seconds | None) -> NameTemplate:
-    """The checked template of ``locked``/``alocked`` (checked at decoration, not at call)."""
+def name_template(
+    name: str, ttl: Seconds | None, timeout: Seconds | None, *held: object
+) -> NameTemplate:
+    """The checked template of ``locked``/``alocked`` (checked at decoration, not at call);
+    ``held`` are the lease policies, if given (min_hold, max_hold, lock_delay)."""
     template = NameTemplate(name)
-    check_ttl(ttl)
+    seconds = check_ttl(ttl)
+    if held:
+        policies.resolve(seconds, *held)
     grants.wait_limit(timeout)
     return template
 
@@ -328,6 +345,9 @@ def locked(
     using: str | None = None,
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
+    min_hold: Seconds | None = DEFAULT,
+    max_hold: Seconds | None = DEFAULT,
+    lock_delay: Seconds | None = DEFAULT,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate a function so each call runs under a lock named from its arguments.
 
@@ -337,7 +357,7 @@ def locked(
     an ``async def`` function (or async generator function) raises TypeError there: the
     lock would not be held while its body runs (``alocked`` is the async form).
     """
-    template = name_template(name, ttl, timeout)
+    template = name_template(name, ttl, timeout, min_hold, max_hold, lock_delay)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         refuse_async(func, "@locked(...)")
@@ -348,6 +368,7 @@ def locked(
             with lock(
                 namer(args, kwargs), ttl=ttl, timeout=timeout,
                 using=using, auto_renew=auto_renew, on_lost=on_lost,
+                min_hold=min_hold, max_hold=max_hold, lock_delay=lock_delay,
             ):
                 return func(*args, **kwargs)
 

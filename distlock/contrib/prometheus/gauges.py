@@ -53,6 +53,10 @@ WAITING_NOW = ("distlock_sessions_waiting", "Sessions waiting for a lock now, as
                "lock it waits for.")
 TASK_KEYS = ("distlock_task_keys", "Keys of enqueue_once() with a live slot now, by slot: "
              "a task sent and not started (queued), a run in its body (running).")
+WITH_POLICY = ("distlock_locks_held_with_policy", "Locks held now whose grant has this "
+               "lease policy (min_hold, max_hold, lock_delay; a row in a lock-delay after a "
+               "break counts as lock_delay).", ["policy"])
+POLICIES = ("min_hold", "max_hold", "lock_delay")
 FAILURES = ("distlock_gauge_failures", "Scrapes whose database gauges could not be read "
             "(the gauges were left out of them).")
 
@@ -92,6 +96,24 @@ def read_task_keys() -> tuple[int, int]:
     return int(counts["queued"]), int(counts["running"])
 
 
+def read_policies(alias: str) -> dict[str, int]:
+    """Locks held now in database ``alias`` per lease policy, as their holder texts name
+    them (``[min_hold=5s lock_delay=2s] …``: distlock/core/policies.py). One COUNT over the
+    owned rows, as :func:`read`'s; the regular expression runs only on held rows whose
+    holder starts with ``[``."""
+    from distlock.models import Lock
+
+    now = db_now_us(alias)
+    held = Lock.objects.using(alias).filter(owner__gt="").filter(
+        state_is(HELD, now), holder__startswith="["
+    )
+    counts = held.aggregate(**{
+        policy: Count("pk", filter=Q(holder__regex=rf"^\[[^]]*{policy}="))
+        for policy in POLICIES
+    })
+    return {policy: int(counts[policy]) for policy in POLICIES}
+
+
 class DatabaseGauges(Collector):
     """The collector of the database-wide gauges (lock database ``using``, default
     distlock's, read at each scrape)."""
@@ -105,13 +127,15 @@ class DatabaseGauges(Collector):
         """The families without samples: registering the collector reads no database
         (it happens in ready(), before any request)."""
         return [GaugeMetricFamily(*HELD_NOW), GaugeMetricFamily(*EXPIRED_NOW),
-                GaugeMetricFamily(*WAITING_NOW), GaugeMetricFamily(*TASK_KEYS, labels=["slot"]),
+                GaugeMetricFamily(*WAITING_NOW), _policy_family(),
+                GaugeMetricFamily(*TASK_KEYS, labels=["slot"]),
                 CounterMetricFamily(*FAILURES)]
 
     def collect(self) -> Iterable[Metric]:
         alias = self.using or conf.database()
         try:
             held, expired, waiting = read(alias)
+            with_policy = read_policies(alias)
         except Exception:
             # Whatever went wrong, the scrape of every other metric must still answer.
             logger.warning("distlock gauges: could not read database %r", alias,
@@ -124,6 +148,10 @@ class DatabaseGauges(Collector):
             yield GaugeMetricFamily(*EXPIRED_NOW, value=expired)
             if waiting is not None:
                 yield GaugeMetricFamily(*WAITING_NOW, value=waiting)
+            family = _policy_family()
+            for policy, count in with_policy.items():
+                family.add_metric([policy], count)
+            yield family
         yield from self._task_keys()
         yield CounterMetricFamily(*FAILURES, value=self._failures)
 
@@ -141,6 +169,11 @@ class DatabaseGauges(Collector):
         family.add_metric(["queued"], queued)
         family.add_metric(["running"], running)
         yield family
+
+
+def _policy_family() -> GaugeMetricFamily:
+    name, documentation, labels = WITH_POLICY
+    return GaugeMetricFamily(name, documentation, labels=labels)
 
 
 def _close_if_broken(alias: str) -> None:
