@@ -42,6 +42,7 @@ from distlock.core.grants import DEFAULT, Request, wait_limit
 from distlock.core.inspection import LockStatus, state_at
 from distlock.core.leases import LostCallback
 from distlock.core.locks import refuse_async
+from distlock.core.permits import MAX_PERMITS, check_permits
 from distlock.core.shared import (
     Permit,
     PermitBlock,
@@ -62,8 +63,6 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The most permits a semaphore may have (each is a row a grant reads).
-MAX_PERMITS = 1000
 _FAMILY = ("permit",)
 
 
@@ -73,15 +72,6 @@ def head_name(name: str) -> str:
 
 def permit_name(name: str, index: int) -> str:
     return f"{name}#permit:{index}"
-
-
-def check_permits(permits: object) -> int:
-    """``permits`` if it is an int from 1 to MAX_PERMITS; TypeError/ValueError otherwise."""
-    if isinstance(permits, bool) or not isinstance(permits, int):
-        raise TypeError(f"permits must be an int, not {type(permits).__name__}")
-    if not 1 <= permits <= MAX_PERMITS:
-        raise ValueError(f"permits must be from 1 to {MAX_PERMITS}, not {permits}")
-    return permits
 
 
 def check_semaphore_name(name: object) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from importlib import import_module
 from typing import Any
 
 import pytest
@@ -26,15 +27,34 @@ from distlock import (
     semaphore_status,
 )
 from distlock.core.status import HELD, locks
+from distlock.integrations.celery import locked_task as celery_locked_task
+from distlock.integrations.tasks import locked_task as tasks_locked_task
 from distlock.models import Lock
 from distlock.semaphores import MAX_PERMITS
 from distlock.testing import make_stale
+from tests.settings import TASKS_FRAMEWORK
 from tests.stress.harness import HISTORY, drop_triggers, install_triggers, rows
+from tests.support.celery_app import DIR_ENV
+from tests.support.celery_app import app as celery_app
 from tests.support.helpers import run_async
 from tests.support.shared_history import check_shared
 from tests.testapp.models import Counter, Ledger
 
 pytestmark = pytest.mark.usefixtures("lock_db")
+
+task = import_module(TASKS_FRAMEWORK).task
+
+
+@celery_app.task(bind=True, name="tests.test_semaphores.celery_limited")
+@celery_locked_task("sem:celery", ttl=30, on_contention="skip", limit=2)
+def celery_limited(self: Any, *, lease: Any) -> list[Any]:
+    return [lease.guard_name, lease.token, current_lease() is lease]
+
+
+@task(backend="immediate")
+@tasks_locked_task("sem:tasks", ttl=30, on_contention="skip", limit=2)
+def tasks_limited(*, lease: Any) -> list[Any]:
+    return [lease.guard_name, lease.token, current_lease() is lease]
 
 WORKERS = "tests.support.shared_workers:"
 
@@ -303,3 +323,27 @@ def test_n_holders_at_most_under_pauses_and_kills(children):
     assert report.grants >= 4 * 12 + 2, report
     assert report.ok, report.violations
     assert report.most_at_once == 3, "the run never had 3 holders: it showed nothing"
+
+
+@pytest.mark.parametrize("runner", ["celery", "tasks"])
+def test_locked_task_with_a_limit_runs_under_a_permit(runner, monkeypatch, tmp_path):
+    name = f"sem:{runner}"
+    monkeypatch.setenv(DIR_ENV, str(tmp_path))  # the suite's Celery app records contention
+
+    def run() -> Any:
+        if runner == "celery":
+            return celery_limited.apply().get()
+        return tasks_limited.enqueue().return_value
+
+    taken = [acquire_permit(name, permits=2, ttl=30) for _ in range(2)]
+    assert run() is None, "a third run beside two permits held"
+    assert taken[0] is not None and taken[0].release()
+    guard, token, current = run()
+    assert (guard, current) == (name, True) and token > taken[1].token
+    assert held_rows(name) == [taken[1].name]
+    assert taken[1].release()
+    for bad, error in ((0, ValueError), ("2", TypeError)):
+        with pytest.raises(error):
+            celery_locked_task("x", limit=bad)
+        with pytest.raises(error):
+            tasks_locked_task("x", limit=bad)
