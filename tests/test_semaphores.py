@@ -36,7 +36,7 @@ from tests.settings import TASKS_FRAMEWORK
 from tests.stress.harness import HISTORY, drop_triggers, install_triggers, rows
 from tests.support.celery_app import DIR_ENV
 from tests.support.celery_app import app as celery_app
-from tests.support.helpers import run_async
+from tests.support.helpers import run_async, wait_expired
 from tests.support.shared_history import check_shared
 from tests.testapp.models import Counter, Ledger
 
@@ -297,20 +297,25 @@ def test_n_holders_at_most_under_pauses_and_kills(children):
     Counter.objects.create(key="sem:p", value=0)
     install_triggers()
     try:
-        paused = children.start(WORKERS + "hold_permit", name, 3, ttl)
-        paused.expect("acquired", timeout=60)
-        paused.signal(signal.SIGSTOP)
-        killed = children.start(WORKERS + "hold_permit", name, 3, ttl)
-        killed.expect("acquired", timeout=60)
-        killed.signal(signal.SIGKILL)
+        # Everyone started and connected first, so the two holders' permits (3 s) are
+        # surely still held when the cyclers start: 3 holders at once, by construction.
+        paused, killed = (children.start(WORKERS + "hold_permit", name, 3, 3.0)
+                          for _ in range(2))
         cyclers = [children.start(WORKERS + "cycle_permits", name, 3, ttl, 12)
                    for _ in range(4)]
-        for cycler in cyclers:
-            cycler.expect("ready", timeout=60)
+        for child in (paused, killed, *cyclers):
+            child.expect("ready", timeout=60)
+        paused.send("go")
+        row = paused.expect("acquired", timeout=60)["row"]
+        paused.signal(signal.SIGSTOP)
+        killed.send("go")
+        killed.expect("acquired", timeout=60)
+        killed.signal(signal.SIGKILL)
         for cycler in cyclers:
             cycler.send("go")
         for cycler in cyclers:
             cycler.expect("done", timeout=120)
+        wait_expired(row, timeout=30)  # the paused holder's permit, by the database clock
         paused.signal(signal.SIGCONT)
         paused.send("write")
         assert paused.expect("wrote", timeout=30)["refused"] is True

@@ -10,8 +10,8 @@ fencing: a permit fences the rows guarded by ``name`` (:attr:`Permit.guard_name`
 its ownership check reads its own row — the permit must still be held by the database
 clock, checked inside the writing transaction.
 
-Waiting polls with the lock's jittered back-off (``DISTLOCK_POLL_INTERVAL`` up to
-``DISTLOCK_POLL_MAX_INTERVAL``), never past the deadline or the first holder's expiry:
+Waiting polls with the lock's jittered back-off, doubling from ``DISTLOCK_POLL_INTERVAL``
+for BACKOFF_STEPS tries only, never past the deadline or the first holder's expiry:
 the LISTEN/NOTIFY wake-ups and the queue of :mod:`distlock.waiting` work per lock row,
 and a release of a member row is no event anyone listens to.
 """
@@ -36,6 +36,13 @@ from distlock.core.leases import Lease, LostCallback
 from distlock.core.locks import _current, _push, _running_task
 from distlock.core.shielding import shielded
 from distlock.exceptions import LockTimeout, NestedLock
+
+# The back-off stops doubling after this many refused tries: DISTLOCK_POLL_INTERVAL × 8
+# at most (0.16 s by default; never above DISTLOCK_POLL_MAX_INTERVAL). Nothing wakes a
+# waiter when a permit is released, and with N permits releases come often: a pause
+# that grew to DISTLOCK_POLL_MAX_INTERVAL left permits free while waiters slept
+# (benchmarks/semaphore.py: N = 1 at 40 % of the plain lock's cycles/s).
+BACKOFF_STEPS = 3
 
 # (the backend operation's name, its arguments after the cursor): one grant's try.
 Attempt = Callable[[Request], tuple[str, tuple[Any, ...]]]
@@ -138,7 +145,7 @@ def obtain(
         left = None if give_up is None else give_up - time.monotonic()
         if grants.gives_up(request, left):
             return None
-        time.sleep(grants.pause_before_retry(tries, result, left))
+        time.sleep(grants.pause_before_retry(min(tries, BACKOFF_STEPS), result, left))
         tries += 1
 
 
@@ -173,7 +180,7 @@ async def aobtain(
         left = None if give_up is None else give_up - time.monotonic()
         if grants.gives_up(request, left):
             return None
-        await asyncio.sleep(grants.pause_before_retry(tries, result, left))
+        await asyncio.sleep(grants.pause_before_retry(min(tries, BACKOFF_STEPS), result, left))
         tries += 1
 
 

@@ -37,9 +37,14 @@ def _hold(permit: object) -> None:
 
 
 def hold_permit(name: str, permits: int, ttl: float) -> None:
-    """Take one permit, then obey commands (see _hold)."""
+    """After a "go": take one permit, then obey commands (see _hold)."""
+    from django.db import connection
+
     from distlock import acquire_permit
 
+    connection.ensure_connection()
+    emit("ready")
+    command()
     permit = acquire_permit(name, permits=permits, ttl=ttl, timeout=60)
     assert permit is not None
     _hold(permit)
