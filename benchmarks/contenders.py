@@ -491,3 +491,56 @@ class FencedUpdateSeparateCheck(FencedUpdate):
     def connect(self) -> None:
         super().connect()
         use_mariadb_python_path()
+
+
+class MariaRawUpdate(_AccountWrite):
+    """The server's own floor: a worker's row updated by raw mysqlclient, no Django."""
+
+    label = "raw UPDATE (mysqlclient)"
+    note = "UPDATE … SET balance = balance + 1 WHERE id = %s, autocommit, no Django"
+    SQL = "UPDATE benchapp_benchaccount SET balance = balance + 1 WHERE id = %s"
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias)
+        self.params = params
+
+    def connect(self) -> None:
+        import MySQLdb
+
+        super().connect()
+        self.conn = MySQLdb.connect(**self.params, autocommit=True, charset="utf8mb4")
+        self.cur = self.conn.cursor()
+
+    def try_acquire(self, name: str) -> Any:
+        changed = self.cur.execute(self.SQL, (self._row(name),))
+        assert changed == 1, f"row {self._row(name)} was not updated"
+        return True
+
+    def close(self) -> None:
+        self.conn.close()
+        super().close()
+
+
+class MariaRawFencedUpdate(MariaRawUpdate):
+    """The same UPDATE with distlock's guarantees written by hand: the fence token's
+    high-water mark and the lease's ownership as a locking sub-select (what distlock's
+    MariaDB fenced write sends). Its cost over the raw UPDATE is what the server charges
+    for the check, whatever the client library: the limit of a fenced write there."""
+
+    label = "raw UPDATE + ownership sub-select (mysqlclient)"
+    note = "the same UPDATE with fence_token <= token AND EXISTS(… LOCK IN SHARE MODE)"
+    SQL = (
+        "UPDATE benchapp_benchaccount SET balance = balance + 1, fence_token = %s "
+        "WHERE id = %s AND fence_token <= %s AND EXISTS (SELECT 1 FROM distlock_lock "
+        "WHERE name = %s AND owner = CAST(%s AS BINARY) AND token = %s AND expires_us > "
+        "CAST(UNIX_TIMESTAMP(SYSDATE(6)) * 1000000 AS SIGNED) LOCK IN SHARE MODE)"
+    )
+
+    def try_acquire(self, name: str) -> Any:
+        pk = self._row(name)
+        lease = self._lease(pk)
+        changed = self.cur.execute(
+            self.SQL, (lease.token, pk, lease.token, lease.name, lease.owner, lease.token)
+        )
+        assert changed == 1, f"the fenced write of row {pk} was refused"
+        return True

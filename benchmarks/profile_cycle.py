@@ -3,11 +3,14 @@
 
     python benchmarks/profile_cycle.py                      # both transports, 20,000 cycles
     python benchmarks/profile_cycle.py --transport socket --profile 25
+    python benchmarks/profile_cycle.py --transport socket --debug   # and under DEBUG = True
 
 One process loops ``acquire(name, blocking=False)`` + ``Lease.release()`` on a name of its
 own, and A's two statements (raw psycopg) beside it, alternating in blocks, and prints
 the client CPU per cycle of each (``time.process_time()``) and their ratio — the "client
-CPU ≤ 1.3× A" figure of issue 15 without 8 processes sharing the cores. ``--profile N``
+CPU ≤ 1.3× A" figure of issue 15 without 8 processes sharing the cores. ``--debug`` adds
+distlock's loop with ``DEBUG = True`` (Django's query log on, as in a project made by
+``startproject``), alternating with the others. ``--profile N``
 then runs distlock's loop under cProfile and prints its N most expensive functions (own
 time), which is how the layers of the path were weighed (docs/performance.md).
 """
@@ -32,14 +35,30 @@ from benchmarks import databases as dbs  # noqa: E402
 from benchmarks import run  # noqa: E402
 
 
+class DistlockDebug(c.Distlock):
+    """distlock with Django's query log on (``DEBUG = True``) for its blocks only."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__(alias, "distlock, DEBUG = True")
+
+
 def cycles(contender: c.Contender, name: str, count: int) -> float:
     """Client CPU µs per cycle over ``count`` cycles."""
+    from django.conf import settings
+    from django.db import connections
+
+    debug = isinstance(contender, DistlockDebug)
+    settings.DEBUG = debug
     began = time.process_time()
     for _ in range(count):
         handle = contender.try_acquire(name)
         assert handle is not None, f"{name} was busy: another run uses it?"
         contender.release(handle)
-    return (time.process_time() - began) / count * 1e6
+    spent = (time.process_time() - began) / count * 1e6
+    settings.DEBUG = False
+    if debug:
+        connections[contender.alias].queries_log.clear()  # type: ignore[attr-defined]
+    return spent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=[*dbs.TRANSPORTS, "both"], default="both")
     parser.add_argument("--cycles", type=int, default=20_000)
     parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--debug", action="store_true",
+                        help="also distlock's loop under DEBUG = True (Django's query log)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then profile distlock's loop and print its N top functions")
     args = parser.parse_args(argv)
@@ -64,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         alias = run.pg_alias(transport)
         contenders: list[Any] = [c.PgUpsert(dbs.pg_conninfo(transport=transport)),
                                  c.Distlock(alias)]
+        if args.debug:
+            contenders.append(DistlockDebug(alias))
         for contender in contenders:
             contender.connect()
             cycles(contender, name, 500)  # warm-up: statements prepared, caches filled
@@ -72,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         for block in range(args.blocks):
             for contender in run.rotated(contenders, block):
                 seen[contender.label].append(cycles(contender, name, per))
-        a, mine = (statistics.median(seen[x.label]) for x in contenders)
+        a, mine, *debug = (statistics.median(seen[x.label]) for x in contenders)
         print(f"{transport}: client CPU µs/cycle, median of {args.blocks} blocks of {per}: "
-              f"A {a:.0f}, distlock {mine:.0f} ({mine / a:.2f}× A)")
+              f"A {a:.0f}, distlock {mine:.0f} ({mine / a:.2f}× A)"
+              + "".join(f", under DEBUG {d:.0f} ({d / a:.2f}× A)" for d in debug))
         if args.profile:
             profiler = cProfile.Profile(time.process_time)
             profiler.runcall(cycles, contenders[1], name, per)

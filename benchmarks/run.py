@@ -155,8 +155,10 @@ def build(backends: list[str], scale: bool, with_redis: bool,
             f"Fenced write ({section.title})", section.alias,
             [c.PlainUpdate(section.alias), c.FencedUpdate(section.alias),
              c.FencedSave(section.alias),
-             *([c.FencedUpdateSeparateCheck(section.alias)] if section.alias == "mariadb"
-               else [])],
+             *([c.FencedUpdateSeparateCheck(section.alias),
+                c.MariaRawUpdate(section.alias, dbs.maria_params()),
+                c.MariaRawFencedUpdate(section.alias, dbs.maria_params())]
+               if section.alias == "mariadb" else [])],
             tuple(sc for sc in scenarios if sc in ("solo", "own")) or ("solo",), writes=True,
         ))
     return sections
@@ -490,6 +492,13 @@ def main(argv: list[str] | None = None) -> int:
                           for label in (c.FencedUpdate.label, c.FencedSave.label)
                           for cost in [1 / ratio(section, label, section.scenarios[0])])
                       + "\n")
+                # The server's own price of the check: the same guarantees by hand, raw
+                # mysqlclient against raw mysqlclient, in the same rounds.
+                print("The server's own cost of the check (raw UPDATE with the ownership "
+                      "sub-select ÷ raw UPDATE, mysqlclient, no Django): " + ", ".join(
+                          f"{sc} {cost:.2f}×" for sc in section.scenarios
+                          for cost in [ratio(section, c.MariaRawUpdate.label, sc,
+                                             c.MariaRawFencedUpdate.label)]) + "\n")
             if section.title.startswith("PostgreSQL"):
                 checks = targets(section)
                 if checks:

@@ -22,7 +22,7 @@ from django.utils.safestring import mark_safe
 
 from distlock import LockLost, acquire, break_lock
 from distlock.backends import backend_for
-from distlock.backends.lean_cursor import LeanCursor
+from distlock.backends.lean_cursor import LeanCursor, LoggedCursor
 from distlock.backends.pg_wire import WireCursor
 from distlock.backends.postgresql import _BoundCursor
 from distlock.conf import conf
@@ -75,15 +75,19 @@ def test_execute_wrappers_see_the_lock_statements():
 
 
 @postgresql_only
-def test_the_lean_cursor_is_used_only_when_nobody_watches():
+def test_the_lean_cursor_is_used_unless_an_execute_wrapper_watches():
     connection.ensure_connection()
     backend = backend_for(connection)
     # The wire cursor prepares; with DISTLOCK_PREPARE_STATEMENTS off (an old pooler's
     # setting) the lean cursor is psycopg's, which follows the connection's threshold.
     lean = WireCursor if conf.PREPARE_STATEMENTS else _BoundCursor
     assert type(backend.statement_cursor(connection)) is lean
+    # The debug query log gets the lean cursor, logging (tests/test_query_log.py).
     with CaptureQueriesContext(connection):
-        assert not isinstance(backend.statement_cursor(connection), LeanCursor)
+        cursor = backend.statement_cursor(connection)
+        assert type(cursor) is LoggedCursor and type(cursor.lean) is lean
+    with connection.execute_wrapper(lambda execute, *args: execute(*args)):
+        assert not isinstance(backend.statement_cursor(connection), LeanCursor | LoggedCursor)
 
 
 @postgresql_only

@@ -12,9 +12,14 @@ statements, MariaDB's extra result sets of a CALL, SQLite's ``?`` placeholders.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
+
+# Django's own logger of SQL statements (what CursorDebugWrapper writes to under DEBUG).
+logger = logging.getLogger("django.db.backends")
 
 
 class LeanCursor:
@@ -59,17 +64,90 @@ class LeanCursor:
     @classmethod
     def reused(cls, connection: BaseDatabaseWrapper) -> Any:
         """This kind of lean cursor for ``connection``'s session, made again after a
-        reconnect (creating a driver cursor per statement is itself a measurable cost) —
-        or Django's own cursor when something watches the connection's queries: Django's
-        debug query log (DEBUG, assertNumQueries) and execute_wrappers see every
-        statement through it, as they would for the ORM."""
-        if connection.queries_logged or connection.execute_wrappers:
+        reconnect (creating a driver cursor per statement is itself a measurable cost).
+
+        When something watches the connection's queries, it still sees every statement:
+        execute_wrappers get Django's own cursor (a wrapper may change the statement or
+        refuse it, so it must run through them), and Django's debug query log (DEBUG,
+        assertNumQueries, CaptureQueriesContext) gets a :class:`LoggedCursor` around the
+        lean one. Not Django's debug cursor there: it renders each statement's SQL through
+        the driver (psycopg's client-side mogrify), which doubled the client CPU of an
+        acquire → release cycle under ``DEBUG = True`` (2.2× the reference instead of
+        1.1×; docs/performance.md) — the setting every ``startproject`` begins with.
+        """
+        if connection.execute_wrappers:
             return connection.cursor()
         connection.validate_thread_sharing()
         cursor: LeanCursor | None = getattr(connection, "_distlock_cursor", None)
         if cursor is None or cursor.raw is not connection.connection or type(cursor) is not cls:
             cursor = connection._distlock_cursor = cls(connection)  # type: ignore[attr-defined]
+        if connection.queries_logged:
+            return LoggedCursor(cursor)
         return cursor
+
+
+def sql_literal(value: Any) -> str:
+    """``value`` as an SQL literal, for the query log only (never sent to a database)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(value)
+
+
+class LoggedCursor:
+    """A lean cursor whose statements go to Django's query log, as the ORM's do.
+
+    Each statement is appended to ``connection.queries_log`` (what ``connection.queries``,
+    ``assertNumQueries`` and ``CaptureQueriesContext`` read) with its parameters written
+    in as literals and its duration, and written to the ``django.db.backends`` logger at
+    DEBUG level with the same message and ``extra`` as Django's debug cursor — also when
+    it fails, as Django's does.
+    """
+
+    __slots__ = ("lean",)
+
+    def __init__(self, lean: LeanCursor) -> None:
+        self.lean = lean
+
+    def execute(self, sql: str, params: Any = None) -> None:
+        began = time.monotonic()
+        try:
+            self.lean.execute(sql, params)
+        finally:
+            duration = time.monotonic() - began
+            text = sql % tuple(map(sql_literal, params)) if params else sql
+            db = self.lean.db
+            db.queries_log.append({"sql": text, "time": f"{duration:.3f}"})
+            logger.debug(
+                "(%.3f) %s; args=%s; alias=%s", duration, text, params, db.alias,
+                extra={"duration": duration, "sql": text, "params": params, "alias": db.alias},
+            )
+
+    def fetchone(self) -> Any:
+        return self.lean.fetchone()
+
+    def fetchall(self) -> Any:
+        return self.lean.fetchall()
+
+    @property
+    def rowcount(self) -> int:
+        return self.lean.rowcount
+
+    def __getattr__(self, name: str) -> Any:
+        # What a backend's operation reads of its own kind of lean cursor (MariaDB's
+        # result sets of a CALL, the driver's cursor).
+        return getattr(self.lean, name)
+
+    def __enter__(self) -> LoggedCursor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
 
 
 def forget(connection: BaseDatabaseWrapper) -> None:

@@ -1,0 +1,1 @@
+"""The comparison lab: other locking approaches beside distlock, under the same faults."""

@@ -1,0 +1,169 @@
+"""``scripts/compare``: run the comparison lab and print (and save) its table.
+
+    scripts/compare                      # 20 trials a cell, every contender and scenario
+    scripts/compare --quick              # one trial a cell, short rates (CI)
+    scripts/compare --trials 5 --contenders redis,etcd --scenarios pause --html r.html
+
+Exits 1 if a control (fault off) shows an overlap, a stale write or a lost update: then
+the harness is wrong, not the contender.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lab import report
+from lab.django_setup import create_database, database
+from lab.scenarios import APPLIES, CONTENDERS, ROOT, SCENARIOS, Cell, Servers, rate, run_cell
+from lab.servers import EtcdCluster, RedisNodes, Unavailable
+
+DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/distlock_lab"
+
+
+class Resource:
+    """The driver's own connection to the resource rows: reset before, sum after."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        entry = database(url)
+        self.conn = psycopg.connect(host=entry["HOST"], port=entry["PORT"], user=entry["USER"],
+                                    password=entry["PASSWORD"] or None, dbname=entry["NAME"],
+                                    autocommit=True)
+
+    def reset(self) -> None:
+        self.conn.execute(
+            "INSERT INTO lab_cell (key, value, fence_token) VALUES ('a', 0, 0), ('b', 0, 0) "
+            "ON CONFLICT (key) DO UPDATE SET value = 0, fence_token = 0")
+
+    def total(self) -> int:
+        row = self.conn.execute("SELECT coalesce(sum(value), 0) FROM lab_cell").fetchone()
+        return int(row[0]) if row else 0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="one trial a cell and 1 s rates (proves the lab runs)")
+    parser.add_argument("--trials", type=int, help="trials per cell (default 20; --quick 1)")
+    parser.add_argument("--ttl", type=float, default=2.0,
+                        help="lease length in the pause scenarios, seconds (default 2)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--rate-seconds", type=float, help="default 3 (--quick 1); 0: none")
+    parser.add_argument("--postgres", default=os.environ.get("DISTLOCK_LAB_POSTGRES",
+                                                             DEFAULT_POSTGRES))
+    parser.add_argument("--html", type=Path, help="write the report page here")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    args.trials = args.trials or (1 if args.quick else 20)
+    if args.rate_seconds is None:
+        args.rate_seconds = 1.0 if args.quick else 3.0
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    for name in args.contenders:
+        if name not in CONTENDERS:
+            parser.error(f"unknown contender {name!r}; one of {', '.join(CONTENDERS)}")
+    for name in args.scenarios:
+        if name not in SCENARIOS:
+            parser.error(f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}")
+    if args.trials < 1 or args.ttl <= 0:
+        parser.error("--trials and --ttl must be positive")
+    return args
+
+
+def migrate(url: str) -> None:
+    create_database(url)
+    command = [sys.executable, "-m", "lab.worker", "--migrate", json.dumps({"postgres": url})]
+    subprocess.run(command, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
+    if contender not in ("redis", "redlock"):
+        return None
+    size = 5 if contender == "redlock" else 2 if scenario == "failover" else 1
+    if scenario == "clock":
+        from lab.redis_build import faketime_redis
+
+        return RedisNodes(size, binary=faketime_redis(), faketime=True)
+    return RedisNodes(size)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    migrate(args.postgres)
+    resource = Resource(args.postgres)
+    cells: list[Cell] = []
+    rates: dict[str, float] = {}
+    notes: list[str] = []
+    etcd: EtcdCluster | None = None
+    try:
+        if "etcd" in args.contenders:
+            etcd = EtcdCluster()
+            etcd.start()
+        for contender in args.contenders:
+            for scenario in args.scenarios:
+                if contender not in APPLIES[scenario]:
+                    continue
+                try:
+                    nodes = redis_nodes(contender, scenario)
+                    if nodes:
+                        nodes.start()
+                except Unavailable as why:
+                    notes.append(f"{contender} × {scenario} not run: {why}")
+                    continue
+                try:
+                    began = time.monotonic()
+                    cells.extend(run_cell(contender, scenario, Servers(nodes, etcd),
+                                          args.postgres, args.trials, args.ttl, resource))
+                    print(f"  {contender} × {scenario}: {args.trials} trial(s) with the fault"
+                          f" off and on, {time.monotonic() - began:.1f} s", file=sys.stderr,
+                          flush=True)
+                finally:
+                    if nodes:
+                        nodes.stop()
+            if args.rate_seconds > 0:
+                nodes = redis_nodes(contender, "rate")
+                if nodes:
+                    nodes.start()
+                try:
+                    rates[contender] = rate(contender, Servers(nodes, etcd), args.postgres,
+                                            args.rate_seconds, args.ttl)
+                finally:
+                    if nodes:
+                        nodes.stop()
+    finally:
+        if etcd is not None:
+            etcd.stop()
+    return {
+        "command": "scripts/compare " + " ".join(sys.argv[1:]),
+        "trials": args.trials, "ttl": args.ttl, "seconds": round(time.monotonic() - started, 1),
+        "cells": [asdict(cell) for cell in cells], "rates": rates, "notes": notes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    results = run(args)
+    print(report.text(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.html:
+        args.html.write_text(report.html(results))
+    broken = report.broken_controls(results)
+    for line in broken:
+        print(f"CONTROL FAILED (a harness error, not a result): {line}", file=sys.stderr)
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The comparison lab (lab/, scripts/compare) measures what it claims to.
+
+One quick run of the pause scenario for redis-py's Lock and for distlock fenced, with
+real processes (its own redis-server, two clients each, a SIGSTOP): the columns of the
+table must show the seed's argument — Redis accepts the paused holder's stale write and
+loses an update, distlock fenced refuses it — and the controls (the same harness, fault
+off) must be clean. The history judge (lab.scenarios.measure) is also checked alone, on
+made-up histories, on every backend (it needs no database).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from lab.report import broken_controls, html, text
+from lab.scenarios import Event, Trial, measure
+
+ROOT = Path(__file__).resolve().parent.parent
+SUFFIX = os.environ.get("DISTLOCK_TEST_DB_SUFFIX", "")
+
+
+def history(*events: tuple[str, str, float, object]) -> Trial:
+    trial = Trial(fault=True)
+    trial.events = [Event(client, op, t, t + 0.01, result) for client, op, t, result in events]
+    return trial
+
+
+def test_a_write_after_another_grant_is_stale_and_counted_accepted_or_refused() -> None:
+    accepted = history(("A", "acquire", 0, 1), ("A", "read", 0.1, 0), ("B", "acquire", 0.2, 2),
+                       ("B", "write", 0.3, True), ("A", "write", 0.4, True),
+                       ("A", "release", 0.5, False), ("B", "release", 0.6, True))
+    measure(accepted, total=1)
+    assert (accepted.overlapping, accepted.stale_accepted, accepted.stale_refused) == (True, 1, 0)
+    assert (accepted.increments, accepted.total, accepted.lost) == (2, 1, 1)
+
+    refused = history(("A", "acquire", 0, 1), ("B", "acquire", 0.2, 2),
+                      ("B", "write", 0.3, True), ("A", "write", 0.4, False),
+                      ("A", "release", 0.5, False), ("B", "release", 0.6, True))
+    measure(refused, total=1)
+    assert (refused.stale_accepted, refused.stale_refused, refused.lost) == (0, 1, 0)
+
+
+def test_one_holder_after_the_other_is_no_overlap_and_no_stale_write() -> None:
+    control = history(("A", "acquire", 0, 1), ("A", "write", 0.1, True),
+                      ("A", "release", 0.2, True), ("B", "acquire", 0.1, 2),
+                      ("B", "write", 0.4, True), ("B", "release", 0.5, True))
+    control.events[3].t1 = 0.3  # B asked during A's section, was granted after A's release
+    measure(control, total=2)
+    assert (control.overlapping, control.stale_accepted, control.stale_refused,
+            control.lost) == (False, 0, 0, 0)
+
+
+def lab_database() -> str:
+    url = urlsplit(os.environ.get("DISTLOCK_TEST_POSTGRES",
+                                  "postgresql://postgres@127.0.0.1:5432/test"))
+    return urlunsplit(url._replace(path=f"/distlock_lab_test{SUFFIX}"))
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.no_pooler("the lab's clients connect to a database of their own")
+@pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
+                    reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass")
+@pytest.mark.skipif(shutil.which("redis-server") is None and os.environ.get("CI") != "true",
+                    reason="needs Debian's redis-server")
+def test_pause_redis_accepts_the_stale_write_and_distlock_fenced_refuses_it(
+        tmp_path: Path) -> None:
+    results_file = tmp_path / "results.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "lab.compare", "--trials", "1", "--ttl", "2",
+         "--contenders", "redis,distlock-fenced", "--scenarios", "pause",
+         "--rate-seconds", "0", "--postgres", lab_database(), "--json", str(results_file)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(results_file.read_text())
+    cells = {(c["contender"], c["fault"]): c for c in results["cells"]}
+    columns = ("trials", "overlapping", "stale_accepted", "stale_refused", "increments", "total",
+               "lost")
+
+    def row(contender: str, fault: bool) -> tuple[int, ...]:
+        return tuple(cells[contender, fault][column] for column in columns)
+
+    assert row("redis", False) == (1, 0, 0, 0, 2, 2, 0)
+    assert row("redis", True) == (1, 1, 1, 0, 2, 1, 1)
+    assert row("distlock-fenced", False) == (1, 0, 0, 0, 2, 2, 0)
+    assert row("distlock-fenced", True) == (1, 1, 0, 1, 1, 1, 0)
+    assert broken_controls(results) == []
+    table = text(results)
+    assert "redis            pause     on             1       1            1" in table
+    page = html(results)
+    assert page.count("<svg") == 2 and 'class="bad"' in page
