@@ -15,6 +15,8 @@ OWNED_INDEX = "distlock_lock_owned"
 RARE_KINDS = ("took_over", "broken", "lost", "stale_write")
 RARE_EVENTS_INDEX = "distlock_event_rare"
 EVENT_TABLE = "distlock_lockevent"
+# The uniqueness keys of enqueue_once() (distlock/integrations/unique.py).
+TASK_KEY_TABLE = "distlock_taskkey"
 # One row: the largest token of any lock row purge_locks() deleted. A new lock row starts
 # above it (see Backend.acquire_new).
 FLOOR_TABLE = "distlock_floor"

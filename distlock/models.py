@@ -23,6 +23,7 @@ from distlock.constants import (
     LOCK_TABLE,
     MAX_NAME_LENGTH,
     OWNER_LENGTH,
+    TASK_KEY_TABLE,
 )
 from distlock.times import from_us
 
@@ -172,6 +173,61 @@ class LockEvent(models.Model):
     @property
     def at(self) -> datetime | None:
         return from_us(self.at_us)
+
+
+class TaskKey(models.Model):
+    """The uniqueness key of :func:`distlock.celery.enqueue_once`: one row per key
+    (``name``, compared exactly as lock names are).
+
+    Two slots, each ending by the database clock: the *queued* slot (a task of the key is
+    sent and has not started, until ``queued_until_us``) and the *running* slot (a run of
+    it is in its body, until ``running_until_us``). A worker killed mid-run leaves its
+    slot behind; it stops counting at its end, so no key is blocked past its ttl.
+    ``generation`` counts the sends: a debounced run that is not the latest skips.
+    """
+
+    name = LockNameField(max_length=MAX_NAME_LENGTH, primary_key=True, editable=False)
+    task = models.CharField(max_length=HOLDER_LENGTH, blank=True, default="", editable=False)
+    policy = models.CharField(max_length=32, default="queued", editable=False)
+    generation = models.BigIntegerField(default=0, editable=False)
+    ttl_us = models.BigIntegerField(default=0, editable=False)
+    enqueued_us = models.BigIntegerField(null=True, editable=False)
+    queued_until_us = models.BigIntegerField(
+        null=True, editable=False,
+        help_text="End of the queued slot: a task is sent and has not started.",
+    )
+    running_until_us = models.BigIntegerField(
+        null=True, editable=False, help_text="End of the running slot: a run is in its body.",
+    )
+    running_owner = models.CharField(
+        max_length=OWNER_LENGTH, blank=True, default="", editable=False,
+        help_text="Random id of the run in the running slot.",
+    )
+    started_us = models.BigIntegerField(null=True, editable=False)
+    waiting_us = models.BigIntegerField(
+        null=True, editable=False,
+        help_text="Since when a queued run waits in its worker for the running slot.",
+    )
+
+    class Meta:
+        db_table = TASK_KEY_TABLE
+        ordering = ["name"]
+        verbose_name = "task key"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def enqueued_at(self) -> datetime | None:
+        return from_us(self.enqueued_us)
+
+    @property
+    def queued_until(self) -> datetime | None:
+        return from_us(self.queued_until_us)
+
+    @property
+    def running_until(self) -> datetime | None:
+        return from_us(self.running_until_us)
 
 
 # The abstract fenced model lives beside its querysets; it is importable from here too.

@@ -25,12 +25,13 @@ from distlock.constants import (
     LOCK_TABLE,
     OWNED_INDEX,
     RARE_EVENTS_INDEX,
+    TASK_KEY_TABLE,
 )
 from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
-LATEST = ("distlock", "0003_mysql_procedures")
+LATEST = ("distlock", "0004_task_keys")
 # Each squashing migration and the 0.2 migrations it replaces.
 SQUASHED = {
     "0001_tables": [
@@ -53,7 +54,8 @@ SQUASHED = {
 
 
 def tables() -> set[str]:
-    return {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE} & set(connection.introspection.table_names())
+    ours = {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE, TASK_KEY_TABLE}
+    return ours & set(connection.introspection.table_names())
 
 
 def functions() -> dict[str, str]:
@@ -96,7 +98,7 @@ def migrated_back() -> Iterator[None]:
 
 def test_migrations_run_back_to_zero_and_forwards_again(migrated_back: None) -> None:
     expected = ARGUMENTS_1 if connection.vendor == "postgresql" else {}
-    assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
+    assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE, TASK_KEY_TABLE}
     assert functions() == expected
     call_command("migrate", "distlock", "0001", verbosity=0)
     assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
@@ -104,7 +106,7 @@ def test_migrations_run_back_to_zero_and_forwards_again(migrated_back: None) -> 
     call_command("migrate", "distlock", "zero", verbosity=0)
     assert tables() == set()
     call_command("migrate", "distlock", verbosity=0)
-    assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE}
+    assert tables() == {LOCK_TABLE, EVENT_TABLE, FLOOR_TABLE, TASK_KEY_TABLE}
     assert functions() == expected
     assert TokenFloor.objects.get().token == 0
     lease = acquire("migrated", ttl=30)
@@ -208,7 +210,7 @@ def test_a_database_part_way_through_0_2_is_refused_not_half_migrated() -> None:
         recorder.record_unapplied(*squash)
         for key in missing:
             recorder.record_unapplied(*key)
-        with pytest.raises(CommandError, match="0001_tables, 0003_mysql_procedures"):
+        with pytest.raises(CommandError, match=f"0001_tables, {LATEST[1]}"):
             call_command("migrate", "distlock", verbosity=0)
         assert functions() == before
     finally:

@@ -77,6 +77,18 @@ class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SharedRowsSQL, SchemaChecks):
         """An INSERT of one row that does nothing if its primary ``key`` already exists."""
         return f"INSERT INTO {table} {columns} {values} ON CONFLICT ({key}) DO NOTHING"
 
+    def upsert_locking(
+        self, table: str, columns: str, values: str, *, key: str, touch: str
+    ) -> str:
+        """An INSERT of one row that, if its primary ``key`` exists already, changes nothing
+        but takes that row's write lock all the same (as ``FOR UPDATE`` would): unlike an
+        INSERT that does nothing and a locking read after it, no shared lock is upgraded,
+        so first users of one key queue instead of deadlocking."""
+        return (
+            f"INSERT INTO {table} {columns} {values} "
+            f"ON CONFLICT ({key}) DO UPDATE SET {touch} = {table}.{touch}"
+        )
+
     def owner_check_sql(self) -> str:
         """The locking read that proves, inside the writing transaction, the lease is
         current (params: name, owner, token)."""

@@ -81,6 +81,13 @@ class MySQL(Backend):
         # key takes a gap lock, and two first users of nearby names then deadlock.
         return f"INSERT IGNORE INTO {table} {columns} {values}"
 
+    def upsert_locking(
+        self, table: str, columns: str, values: str, *, key: str, touch: str
+    ) -> str:
+        # ON DUPLICATE KEY UPDATE takes an exclusive lock on the existing row (INSERT
+        # IGNORE a shared one, which a later FOR UPDATE would have to upgrade: deadlock).
+        return f"INSERT INTO {table} {columns} {values} ON DUPLICATE KEY UPDATE {touch} = {touch}"
+
     def owned_index_sql(self, create: bool) -> str:
         # No partial indexes: one on owner, which a renewal does not change. INPLACE and
         # LOCK=NONE: writes go on while it is built.

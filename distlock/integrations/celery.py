@@ -47,14 +47,15 @@ from distlock.integrations.policies import (
     task_lock_busy,
 )
 from distlock.integrations.taskfunc import TaskFunction, check_options, run_locked
+from distlock.integrations.unique import aenqueue_once, enqueue_once, unique_task
 from distlock.validation import Seconds, check_ttl
 
 if TYPE_CHECKING:
     from distlock.core.leases import Lease, LostCallback
 
 __all__ = [
-    "ContentionPolicy", "LockContended", "Raise", "Retry", "Skip", "Wait", "locked_task",
-    "task_lock_busy", "visibility_timeout",
+    "ContentionPolicy", "LockContended", "Raise", "Retry", "Skip", "Wait", "aenqueue_once",
+    "enqueue_once", "locked_task", "task_lock_busy", "unique_task", "visibility_timeout",
 ]
 
 logger = logging.getLogger("distlock.integrations.celery")

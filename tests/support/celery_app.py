@@ -30,6 +30,7 @@ from distlock.integrations.celery import (  # noqa: E402
     Wait,
     locked_task,
     task_lock_busy,
+    unique_task,
 )
 from distlock.signals import lock_not_acquired  # noqa: E402
 from tests.support import events  # noqa: E402
@@ -277,6 +278,29 @@ def _busy(sender: Any, name: str, policy: str, task_id: str | None, retries: int
         countdown=countdown,
         redelivered=bool((getattr(request, "delivery_info", None) or {}).get("redelivered")),
     )
+
+
+@app.task(name="tests.unique_body")
+@unique_task
+def unique_body(key: str, n: int, hold: bool = False) -> int:
+    """tests/test_unique_tasks.py: record the run (``n``: which enqueue sent it); with
+    ``hold``, wait for the test's go file ``go-<key>`` (records nothing called in the test
+    process, which has no session folder)."""
+    if not os.environ.get(DIR_ENV):
+        return n
+    record("unique_start", key=key, n=n)
+    if hold:
+        wait_for_file(f"go-{key}")
+    record("unique_end", key=key, n=n)
+    return n
+
+
+@signals.task_postrun.connect
+def _postrun(sender: Any = None, task_id: str | None = None, args: Any = None,
+             **kwargs: Any) -> None:
+    """Every finished run of unique_body, skipped or not (the debounce test counts them)."""
+    if getattr(sender, "name", None) == "tests.unique_body":
+        record("postrun", task_id=task_id, key=(args or [None])[0])
 
 
 @signals.task_failure.connect

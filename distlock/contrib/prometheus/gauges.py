@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterable
 
 from django.db import connections
-from django.db.models import Count
+from django.db.models import Count, Q
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -51,6 +51,8 @@ EXPIRED_NOW = ("distlock_locks_expired", "Locks whose lease ran out and that nob
 WAITING_NOW = ("distlock_sessions_waiting", "Sessions waiting for a lock now, as the "
                "wake-up registrations show them (PostgreSQL); a session counts once per "
                "lock it waits for.")
+TASK_KEYS = ("distlock_task_keys", "Keys of enqueue_once() with a live slot now, by slot: "
+             "a task sent and not started (queued), a run in its body (running).")
 FAILURES = ("distlock_gauge_failures", "Scrapes whose database gauges could not be read "
             "(the gauges were left out of them).")
 
@@ -74,6 +76,22 @@ def read(alias: str) -> tuple[int, int, int | None]:
     return int(counts["held"]), int(counts["expired"]), waiting
 
 
+def read_task_keys() -> tuple[int, int]:
+    """(queued, running): the keys of enqueue_once() whose slot has not ended by the
+    database clock, in the database TaskKey is read from. Raises what the database raises."""
+    from django.db import router
+
+    from distlock.models import TaskKey
+
+    alias = router.db_for_read(TaskKey)
+    now = db_now_us(alias)
+    counts = TaskKey.objects.using(alias).aggregate(
+        queued=Count("pk", filter=Q(queued_until_us__gt=now)),
+        running=Count("pk", filter=Q(running_until_us__gt=now)),
+    )
+    return int(counts["queued"]), int(counts["running"])
+
+
 class DatabaseGauges(Collector):
     """The collector of the database-wide gauges (lock database ``using``, default
     distlock's, read at each scrape)."""
@@ -87,7 +105,8 @@ class DatabaseGauges(Collector):
         """The families without samples: registering the collector reads no database
         (it happens in ready(), before any request)."""
         return [GaugeMetricFamily(*HELD_NOW), GaugeMetricFamily(*EXPIRED_NOW),
-                GaugeMetricFamily(*WAITING_NOW), CounterMetricFamily(*FAILURES)]
+                GaugeMetricFamily(*WAITING_NOW), GaugeMetricFamily(*TASK_KEYS, labels=["slot"]),
+                CounterMetricFamily(*FAILURES)]
 
     def collect(self) -> Iterable[Metric]:
         alias = self.using or conf.database()
@@ -105,7 +124,23 @@ class DatabaseGauges(Collector):
             yield GaugeMetricFamily(*EXPIRED_NOW, value=expired)
             if waiting is not None:
                 yield GaugeMetricFamily(*WAITING_NOW, value=waiting)
+        yield from self._task_keys()
         yield CounterMetricFamily(*FAILURES, value=self._failures)
+
+    def _task_keys(self) -> Iterable[Metric]:
+        """The task keys' gauge, left out (and counted as a failure) on its own when its
+        database cannot be read: it may not be the lock database."""
+        try:
+            queued, running = read_task_keys()
+        except Exception:
+            logger.warning("distlock gauges: could not read the task keys", exc_info=True)
+            with self._mutex:
+                self._failures += 1
+            return
+        family = GaugeMetricFamily(*TASK_KEYS, labels=["slot"])
+        family.add_metric(["queued"], queued)
+        family.add_metric(["running"], running)
+        yield family
 
 
 def _close_if_broken(alias: str) -> None:
