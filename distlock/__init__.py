@@ -40,6 +40,26 @@ if TYPE_CHECKING:
     )
     from distlock.core.purge import purge_locks
     from distlock.ops.failover import raise_tokens
+    from distlock.rwlocks import (
+        aacquire_read,
+        aacquire_write,
+        acquire_read,
+        acquire_write,
+        aread_lock,
+        awrite_lock,
+        read_lock,
+        write_lock,
+    )
+    from distlock.semaphores import (
+        Permit,
+        SemaphoreStatus,
+        aacquire_permit,
+        acquire_permit,
+        asemaphore,
+        asemaphore_status,
+        semaphore,
+        semaphore_status,
+    )
 
 __all__ = [
     "DistlockError",
@@ -49,19 +69,31 @@ __all__ = [
     "LockStatus",
     "LockTimeout",
     "NestedLock",
+    "Permit",
+    "SemaphoreStatus",
     "StaleToken",
     "TokenExhausted",
     "TransactionNotAllowed",
     "aacquire",
     "aacquire_all",
+    "aacquire_permit",
+    "aacquire_read",
+    "aacquire_write",
     "abreak_lock",
     "acquire",
     "acquire_all",
+    "acquire_permit",
+    "acquire_read",
+    "acquire_write",
     "alock",
     "alock_all",
     "alock_status",
     "alocked",
     "apurge_locks",
+    "aread_lock",
+    "asemaphore",
+    "asemaphore_status",
+    "awrite_lock",
     "break_lock",
     "current_lease",
     "lock",
@@ -70,6 +102,10 @@ __all__ = [
     "locked",
     "purge_locks",
     "raise_tokens",
+    "read_lock",
+    "semaphore",
+    "semaphore_status",
+    "write_lock",
 ]
 
 _LAZY = {
@@ -94,6 +130,22 @@ _LAZY = {
     "locked": "distlock.core.locks",
     "purge_locks": "distlock.core.purge",
     "raise_tokens": "distlock.ops.failover",
+    "Permit": "distlock.semaphores",
+    "SemaphoreStatus": "distlock.semaphores",
+    "aacquire_permit": "distlock.semaphores",
+    "acquire_permit": "distlock.semaphores",
+    "asemaphore": "distlock.semaphores",
+    "asemaphore_status": "distlock.semaphores",
+    "semaphore": "distlock.semaphores",
+    "semaphore_status": "distlock.semaphores",
+    "aacquire_read": "distlock.rwlocks",
+    "aacquire_write": "distlock.rwlocks",
+    "acquire_read": "distlock.rwlocks",
+    "acquire_write": "distlock.rwlocks",
+    "aread_lock": "distlock.rwlocks",
+    "awrite_lock": "distlock.rwlocks",
+    "read_lock": "distlock.rwlocks",
+    "write_lock": "distlock.rwlocks",
 }
 
 

@@ -159,7 +159,8 @@ RINGS = [
     {"waiting"},
     {"core"},
     {"fencing"},
-    {"admin", "integrations", "ops", "contrib", "checks", "testing", "leader", "periodic"},
+    {"admin", "integrations", "ops", "contrib", "checks", "testing", "leader", "periodic",
+     "semaphores", "rwlocks"},
     {"management", "templatetags", "apps", "celery", "tasks", "distlock"},
 ]
 # Arrows allowed outwards, each for a reason given here.

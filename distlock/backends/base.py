@@ -32,13 +32,14 @@ from distlock.backends.indexes import IndexSQL
 from distlock.backends.lean_cursor import forget as forget_lean_cursor
 from distlock.backends.policies import PolicySQL, delay_after_break
 from distlock.backends.results import RENEW_REFUSED, Busy, Grant, exhausted
+from distlock.backends.shared_rows import SharedRowsSQL
 from distlock.backends.site_checks import SchemaChecks
 from distlock.backends.waiting import WaitingSQL
 from distlock.constants import LOCK_TABLE as TABLE
 from distlock.constants import MAX_TOKEN
 
 
-class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SchemaChecks, PolicySQL):
+class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SharedRowsSQL, SchemaChecks, PolicySQL):
     """One database vendor's SQL and facts. One instance per vendor, shared by threads:
     it keeps no state of its own (per-connection state lives on the connection)."""
 

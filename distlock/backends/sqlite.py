@@ -112,7 +112,8 @@ class SQLite(Backend):
     #: db.run() calls these in autocommit mode: each is one statement, or opens the
     #: BEGIN IMMEDIATE transaction it needs itself (:meth:`immediate`).
     one_statement: ClassVar[frozenset[str]] = frozenset(
-        {"acquire_existing", "acquire_new", "renew", "release", "holds", "expire"}
+        {"acquire_existing", "acquire_new", "renew", "release", "holds", "expire",
+         "semaphore_grant", "rw_grant"}
     )
     # Inside a fenced UPDATE in autocommit: the statement takes the file's write lock when
     # it starts, so nobody can change the lock row before it commits, and its clock is read
@@ -255,6 +256,14 @@ class SQLite(Backend):
             if row is not None:
                 return True, int(row[0])
         return self.immediate(cursor, super().release, name, owner, token)
+
+    def semaphore_grant(self, cursor: Any, *args: Any) -> Any:
+        """The portable steps (shared_rows.py) in a BEGIN IMMEDIATE transaction."""
+        return self.immediate(cursor, super().semaphore_grant, *args)
+
+    def rw_grant(self, cursor: Any, *args: Any) -> Any:
+        """The portable steps (shared_rows.py) in a BEGIN IMMEDIATE transaction."""
+        return self.immediate(cursor, super().rw_grant, *args)
 
     def join_manual_transaction(self, connection: BaseDatabaseWrapper) -> None:
         """With autocommit off: open the caller's transaction before a savepoint would.

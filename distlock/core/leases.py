@@ -135,6 +135,13 @@ class Lease:
         return f"<Lease {self.name!r} token={self.token} owner={self.owner[:8]}…>"
 
     @property
+    def guard_name(self) -> str:
+        """The lock name that guards the rows this lease may fence: its own ``name``; a
+        permit of a semaphore or read/write lock answers that lock's name instead, while
+        its ownership check reads its own row (distlock/core/shared.py)."""
+        return self.name
+
+    @property
     def lost(self) -> bool:
         """True once the lease is known to be gone (a failed renewal or a refused write)."""
         return self._lost_reason is not None

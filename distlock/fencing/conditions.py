@@ -153,7 +153,7 @@ def name_after(
         template: str = model.fence_name  # type: ignore[attr-defined]
         values = {name: assigned[resolve(model, name)] for name in field_names(template)}
         new = template.format(**values)
-        if new != lease.name:
+        if new != lease.guard_name:
             _refuse_move(model, lease, f"the update would give them lock {new!r}")
         return None
     replacements: dict[Any, Any] = {}
@@ -162,7 +162,7 @@ def name_after(
             value = Value(value, output_field=field)
         replacements[F(field.attname)] = replacements[F(field.name)] = value
     expression = model.get_fence_name_expression()  # type: ignore[attr-defined]
-    return Q(SameName(expression.replace_expressions(replacements), lease.name))
+    return Q(SameName(expression.replace_expressions(replacements), lease.guard_name))
 
 
 def pinned(query: Any) -> list[tuple[Any, Any]]:

@@ -100,7 +100,7 @@ class FencedModel(FencedUpdateHook):
 
     def _check_fence_name(self, lease: Lease) -> None:
         name = self.get_fence_name()
-        if name != lease.name:
+        if name != lease.guard_name:
             refuse_other_lock(type(self), lease, name, f"pk={self.pk!r}")
 
     def save(self, *args: Any, fence: Lease | None = None, **kwargs: Any) -> None:
@@ -151,7 +151,7 @@ class FencedModel(FencedUpdateHook):
                 super(FencedModel, self).save(**kwargs)
             if name_after_insert:
                 name = self.get_fence_name()
-                if name != lease.name:
+                if name != lease.guard_name:
                     raise OtherLock(
                         f"lease for lock {lease.name!r} cannot fence the new "
                         f"{cls._meta.label}: it is guarded by lock {name!r}"
@@ -216,7 +216,7 @@ class FencedModel(FencedUpdateHook):
         pk = self.pk
 
         def write(folded: LeaseHolds | None) -> tuple[int, dict[str, int]]:
-            fence = Fence(lease.token, name_test(cls, lease.name, required=False))
+            fence = Fence(lease.token, name_test(cls, lease.guard_name, required=False))
             rows = fence.narrow(cls._base_manager.using(using).filter(pk=pk))
             if models.QuerySet.update(rows, fence_token=lease.token) == 0:
                 raise Refused(by_owner_check=False)
@@ -242,7 +242,7 @@ class _SaveUpdate:
     ) -> tuple[models.QuerySet[Any], list[Any]]:
         """``base_qs`` narrowed by the fenced condition; ``values`` plus the token."""
         model, lease = type(self.instance), self.lease
-        same_name = name_test(model, lease.name, required=False)
+        same_name = name_test(model, lease.guard_name, required=False)
         same_name = same_name._replace(after=_name_after_save(model, lease, values, pk_val))
         self.fence = Fence(lease.token, same_name, self.folded)
         field = model._meta.get_field(FENCE_FIELD)

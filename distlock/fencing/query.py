@@ -104,10 +104,10 @@ class FencedQuerySet(models.QuerySet[M]):
             )
         constant = constant_name(model)
         if constant is not None:
-            if constant != lease.name:
+            if constant != lease.guard_name:
                 refuse_other_lock(model, lease, constant, "rows")
             return NameTest(None, None)
-        return name_test(model, lease.name, required=True)
+        return name_test(model, lease.guard_name, required=True)
 
     def fenced_update(self, lease: Lease, **changes: Any) -> int:
         """Update every row of this queryset if ``lease`` may write all of them; the count.

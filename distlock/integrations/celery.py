@@ -34,6 +34,7 @@ from celery import Task, current_task
 from celery.local import Proxy
 from celery.signals import before_task_publish
 
+from distlock.core.permits import check_permits
 from distlock.integrations.policies import (
     Alias,
     Contention,
@@ -104,8 +105,13 @@ def locked_task(
     using: str | None = None,
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
+    limit: int | None = None,
 ) -> Callable[[Callable[..., R]], Callable[..., R | None]]:
     """Run each execution of a Celery task under lock ``name``.
+
+    With ``limit=N`` it runs under a permit of semaphore ``name`` instead (at most N runs
+    at once by the database clock; docs/semaphores.md): contention means all N permits
+    are held, and the lease handed to the body is the permit.
 
     ``name`` is a ``str.format`` template over the task function's parameters
     (``"invoice:{invoice_id}"``) or a callable taking the same arguments (without the task
@@ -138,6 +144,7 @@ def locked_task(
         name, ttl=ttl, timeout=timeout, on_contention=on_contention, countdown=countdown,
         max_retries=max_retries, jitter=jitter,
     )
+    permits = None if limit is None else check_permits(limit, "limit")
 
     def decorate(func: Callable[..., R]) -> Callable[..., R | None]:
         # A Proxy is what @shared_task returns before the app is finalized; checking it
@@ -182,7 +189,7 @@ def locked_task(
             for attempt in (limit, max(limit, RETRY_GRACE)):
                 ran, value = run_locked(
                     body, lease_name, ttl=seconds, timeout=attempt, using=using,
-                    holder=holder, auto_renew=auto_renew, on_lost=on_lost,
+                    holder=holder, auto_renew=auto_renew, on_lost=on_lost, permits=permits,
                 )
                 if ran:
                     return value

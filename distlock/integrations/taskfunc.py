@@ -132,9 +132,11 @@ class TaskFunction:
 def run_locked(
     body: Callable[[Lease], R], name: str, *, ttl: float, timeout: float,
     using: str | None, holder: str, auto_renew: bool, on_lost: LostCallback | None,
+    permits: int | None = None,
 ) -> tuple[bool, R | None]:
     """Run ``body(lease)`` holding lock ``name``: ``(True, its result)``, or ``(False,
     None)`` if the lock was not had within ``timeout`` seconds (the body did not run).
+    With ``permits`` (a task's ``limit=``) the lease is a permit of semaphore ``name``.
 
     The lock is released when the body returns or raises. A LockTimeout raised by the
     body itself (a lock it takes inside) is the body's error, not contention: it is
@@ -143,13 +145,17 @@ def run_locked(
     # Imported here: a tasks module importing a decorator may load before Django's app
     # registry is ready, and distlock.core.locks imports the Lock model.
     from distlock.core.locks import lock
+    from distlock.semaphores import semaphore
 
     entered = False
+    block = (
+        lock(name, ttl=ttl, timeout=timeout, using=using, holder=holder,
+             auto_renew=auto_renew, on_lost=on_lost) if permits is None
+        else semaphore(name, permits=permits, ttl=ttl, timeout=timeout, using=using,
+                       holder=holder, auto_renew=auto_renew, on_lost=on_lost)
+    )
     try:
-        with lock(
-            name, ttl=ttl, timeout=timeout, using=using, holder=holder,
-            auto_renew=auto_renew, on_lost=on_lost,
-        ) as lease:
+        with block as lease:
             entered = True
             return True, body(lease)
     except LockTimeout:
@@ -161,17 +167,23 @@ def run_locked(
 async def arun_locked(
     body: Callable[[Lease], Awaitable[R]], name: str, *, ttl: float, timeout: float,
     using: str | None, holder: str, auto_renew: bool, on_lost: LostCallback | None,
+    permits: int | None = None,
 ) -> tuple[bool, R | None]:
     """:func:`run_locked` for a coroutine body, under :class:`~distlock.alock` (waiting
-    does not block the event loop; auto-renewal is an asyncio task)."""
+    does not block the event loop; auto-renewal is an asyncio task), or
+    :class:`~distlock.asemaphore` with ``permits``."""
     from distlock.core.async_locks import alock
+    from distlock.semaphores import asemaphore
 
     entered = False
+    block = (
+        alock(name, ttl=ttl, timeout=timeout, using=using, holder=holder,
+              auto_renew=auto_renew, on_lost=on_lost) if permits is None
+        else asemaphore(name, permits=permits, ttl=ttl, timeout=timeout, using=using,
+                        holder=holder, auto_renew=auto_renew, on_lost=on_lost)
+    )
     try:
-        async with alock(
-            name, ttl=ttl, timeout=timeout, using=using, holder=holder,
-            auto_renew=auto_renew, on_lost=on_lost,
-        ) as lease:
+        async with block as lease:
             entered = True
             return True, await body(lease)
     except LockTimeout:

@@ -70,6 +70,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from asgiref.sync import iscoroutinefunction, sync_to_async
 from django.utils import timezone
 
+from distlock.core.permits import check_permits
+
 # The policies are this module's API too, named one by one as in distlock.celery: a star
 # import would hide them from type checkers (mypy does not follow distlock.tasks' star
 # import through a second one).
@@ -207,8 +209,12 @@ def locked_task(
     using: str | None = None,
     auto_renew: bool = False,
     on_lost: LostCallback | None = None,
+    limit: int | None = None,
 ) -> Callable[[Callable[..., R]], Callable[..., Any]]:
     """Run each execution of a Django task under lock ``name``.
+
+    With ``limit=N`` it runs under a permit of semaphore ``name`` instead (at most N runs
+    at once by the database clock; docs/semaphores.md); the lease is the permit.
 
     ``name`` is a ``str.format`` template over the task function's parameters
     (``"invoice:{invoice_id}"``; with ``takes_context`` the context is a parameter too)
@@ -243,11 +249,14 @@ def locked_task(
         name, ttl=ttl, timeout=timeout, on_contention=on_contention, countdown=countdown,
         max_retries=max_retries, jitter=jitter,
     )
+    permits = None if limit is None else check_permits(limit, "limit")
 
     def decorate(func: Callable[..., R]) -> Callable[..., Any]:
         _check_function(func)
         function = TaskFunction(func, name, reserved=(RETRIES_KWARG,))
-        options: dict[str, Any] = {"using": using, "auto_renew": auto_renew, "on_lost": on_lost}
+        options: dict[str, Any] = {
+            "using": using, "auto_renew": auto_renew, "on_lost": on_lost, "permits": permits,
+        }
 
         def start(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Run:
             function.refuse_lease(kwargs)
