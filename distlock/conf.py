@@ -46,6 +46,11 @@ DEFAULTS: dict[str, Any] = {
     # in a database crash leaves the lock held until that lease's expiry, as a crashed
     # holder does; grants and renewals always wait (see postgresql_functions.py).
     "DISTLOCK_DURABLE_RELEASE": False,
+    # PostgreSQL: every new session compares the server's timeline with the one the token
+    # floor recorded; the first session on a promoted standby raises every token and ends
+    # every lease (distlock.ops.failover.follow_timeline), so a failover needs no
+    # `distlock_failover` step. One statement per new connection.
+    "DISTLOCK_FOLLOW_TIMELINE": True,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,
     # Audit events older than this many seconds (or timedelta) are deleted by
