@@ -16,13 +16,17 @@ replication lag: the last commits are not on the standby when the primary dies):
 * synchronous replication: the primary's commits now wait for the standby and none is
   acknowledged; every grant acknowledged before the crash has a lower token
   than every grant after it, per lock; every acknowledged grant, renewal and fenced write
-  is on the new primary; the held lease survives with its expiry and its holder goes on;
-* asynchronous replication, without the failover step: the primary goes on acknowledging
-  grants the standby never gets, so they are lost and the new primary hands out their
-  tokens again — shown, and counted;
+  is on the new primary; the held lease is on it as granted, and then ended by the
+  timeline follow (every promotion ends every lease: nothing tells a lossless one apart);
+* asynchronous replication, no operator step, the timeline follow on (the default): the
+  primary goes on acknowledging grants the standby never gets, so they are lost, but the
+  first session on the promoted standby raises every token above them: no token is
+  issued again, and the held lease is ended;
+* asynchronous replication with neither the follow nor the step (the control): the lost
+  grants' tokens are handed out again — shown, and counted;
 * the same with ``manage.py distlock_failover`` run on the promoted server while it still
-  refuses the application's connections: no token is issued again, and the held lease
-  is ended (its holder's renewal and fenced write are refused).
+  refuses the application's connections (follow off): no token is issued again, and the
+  held lease is ended (its holder's renewal and fenced write are refused).
 
 Each test prints its history summary (-s or -rA shows it). Runs in the PostgreSQL pass
 (DISTLOCK_TEST_BACKEND=postgresql) or with DISTLOCK_TEST_FAULTS=1. A machine that cannot
@@ -85,6 +89,8 @@ class Outcome:
     held: dict[str, Any]
     held_after: list[dict[str, Any]] = field(default_factory=list)
     held_row: dict[str, Any] | None = None
+    #: The new primary's token floor at the end: (timeline recorded, token).
+    floor: tuple[int | None, int] = (None, 0)
     lag_bytes: int = 0
     step_output: str = ""
 
@@ -187,13 +193,15 @@ def ask(agent: Child, command: str, timeout: float = 30.0) -> dict[str, Any]:
     raise AssertionError(f"the holder's {command} failed twice: {got}")
 
 
-def fail_over(pair: Replicated, directory: Path, *, step: bool) -> Outcome:
-    """Contend, crash the primary, promote the standby (and run the step), contend again."""
+def fail_over(pair: Replicated, directory: Path, *, step: bool, follow: bool) -> Outcome:
+    """Contend, crash the primary, promote the standby (and run the step), contend again;
+    ``follow``: the Django processes follow the timeline (DISTLOCK_FOLLOW_TIMELINE)."""
     assert pair.standby is not None
     if step:
         # The runbook: the application cannot reach the standby until the step has run.
         pair.standby.refuse_tcp()
-    env = pair.env()
+    follow_env = {} if follow else {"DISTLOCK_TEST_FOLLOW_TIMELINE": "0"}
+    env = {**pair.env(), **follow_env}
     children = Children()
     seed = random.randrange(2**32)
     workers = Workers(PROFILE, seed, directory, "postgresql", env=env, pause_after_error=0.05)
@@ -227,8 +235,8 @@ def fail_over(pair: Replicated, directory: Path, *, step: bool) -> Outcome:
         if step:
             # Over the Unix socket: TCP clients are still refused.
             done = manage(
-                django_env(pair.standby.url(), HOST=str(pair.standby.dir),
-                           PORT=str(pair.standby.port)),
+                {**django_env(pair.standby.url(), HOST=str(pair.standby.dir),
+                              PORT=str(pair.standby.port)), **follow_env},
                 "distlock_failover",
             )
             assert done.returncode == 0, done.stderr
@@ -243,7 +251,8 @@ def fail_over(pair: Replicated, directory: Path, *, step: bool) -> Outcome:
         return Outcome(
             label=("synchronous" if pair.synchronous else
                    "asynchronous, with distlock_failover" if step else
-                   "asynchronous, without a failover step"),
+                   "asynchronous, no operator step, timeline followed" if follow else
+                   "asynchronous, neither the step nor the follow"),
             client=read_histories(directory),
             history=pair.standby.rows(HISTORY, local=True),
             writes=pair.standby.rows("stressapp_write", local=True),
@@ -253,6 +262,8 @@ def fail_over(pair: Replicated, directory: Path, *, step: bool) -> Outcome:
             },
             cut_us=cut_us, dead_us=dead_us, promote_us=promote_us, held=held,
             held_after=held_after, held_row=held_row, lag_bytes=lag, step_output=step_output,
+            floor=pair.standby.query("SELECT timeline, token FROM distlock_floor",
+                                     local=True)[0],
         )
     finally:
         children.close()
@@ -337,7 +348,7 @@ def analyse(outcome: Outcome) -> Analysis:
 
 @pytest.mark.parametrize("cluster", [True], indirect=True, ids=["synchronous"])
 def test_synchronous_failover_loses_no_acknowledged_grant_or_write(cluster, tmp_path):
-    outcome = fail_over(cluster, tmp_path, step=False)
+    outcome = fail_over(cluster, tmp_path, step=False, follow=True)
     analysis = analyse(outcome)
     print("\n" + analysis.summary(outcome))
     assert analysis.report.ok, analysis.report.describe()
@@ -347,24 +358,52 @@ def test_synchronous_failover_loses_no_acknowledged_grant_or_write(cluster, tmp_
     assert (analysis.lost_grants, analysis.lost_renewals, analysis.lost_writes) == (0, 0, 0)
     assert analysis.reissued == 0
     assert all(analysis.max_before[n] < analysis.min_after[n] for n in PROFILE.names())
-    # The lease granted before the crash is on the new primary as it was granted (its
-    # expiry now read by the new primary's clock), and its holder goes on with it.
+    # The lease granted before the crash reached the new primary as it was granted (if
+    # read there before the first Django session's follow) or was ended by the follow:
+    # every promotion ends every lease.
     held = outcome.held
     assert outcome.held_row is not None
     row = outcome.held_row
-    assert (row["owner"], row["token"]) == (held["owner"], held["token"])
-    assert row["expires_us"] == held["expires_us"]
+    if row["token"] == held["token"]:
+        assert (row["owner"], row["expires_us"]) == (held["owner"], held["expires_us"])
+    else:
+        assert row["owner"] == "" and row["token"] > held["token"] + 999_999_000, row
+    assert_held_lease_ended(outcome)
+    assert outcome.floor[0] == 2 and outcome.floor[1] > 1_000_000_000
+
+
+def assert_held_lease_ended(outcome: Outcome) -> None:
+    """The lease from before the failover was ended: its holder's renewal and fenced
+    write are refused, and its release says it no longer held the lock."""
     renewed, written, released = outcome.held_after
-    assert renewed["event"] == "renewed" and renewed["token"] == held["token"], renewed
-    assert written == {**written, "event": "written", "token": held["token"]}
-    assert released["event"] == "released" and released["held"] is True, released
+    assert renewed["event"] == "lost", renewed
+    assert written["event"] == "stale", written
+    assert released == {**released, "event": "released", "held": False}
 
 
 @pytest.mark.parametrize("cluster", [False], indirect=True, ids=["asynchronous"])
-def test_asynchronous_failover_without_the_step_issues_tokens_again(cluster, tmp_path):
-    """The weakness the step exists for, shown rather than described: the standby never
-    received the last grants, so it grants their tokens again."""
-    outcome = fail_over(cluster, tmp_path, step=False)
+def test_asynchronous_failover_with_no_step_follows_the_timeline(cluster, tmp_path):
+    """No operator step: the first session on the promoted standby sees a new timeline
+    and raises every token above what the lost primary can have granted."""
+    outcome = fail_over(cluster, tmp_path, step=False, follow=True)
+    analysis = analyse(outcome)
+    print("\n" + analysis.summary(outcome))
+    assert analysis.lost_grants >= 2 * PROFILE.locks, "the standby received every grant"
+    assert analysis.report.ok, analysis.report.describe()
+    assert analysis.reissued == 0
+    assert all(analysis.max_before[n] < analysis.min_after[n] for n in PROFILE.names())
+    assert_held_lease_ended(outcome)
+    # The new primary's timeline (the first promotion: 2) recorded, the tokens raised.
+    assert outcome.floor[0] == 2 and outcome.floor[1] > 1_000_000_000
+
+
+@pytest.mark.parametrize("cluster", [False], indirect=True, ids=["asynchronous"])
+def test_asynchronous_failover_with_neither_step_nor_follow_issues_tokens_again(
+    cluster, tmp_path
+):
+    """The weakness the follow and the step exist for, shown rather than described: the
+    standby never received the last grants, so it grants their tokens again."""
+    outcome = fail_over(cluster, tmp_path, step=False, follow=False)
     analysis = analyse(outcome)
     print("\n" + analysis.summary(outcome))
     assert analysis.lost_grants >= 2 * PROFILE.locks, "the standby received every grant"
@@ -376,7 +415,7 @@ def test_asynchronous_failover_without_the_step_issues_tokens_again(cluster, tmp
 
 @pytest.mark.parametrize("cluster", [False], indirect=True, ids=["asynchronous"])
 def test_asynchronous_failover_with_distlock_failover_issues_no_token_again(cluster, tmp_path):
-    outcome = fail_over(cluster, tmp_path, step=True)
+    outcome = fail_over(cluster, tmp_path, step=True, follow=False)
     analysis = analyse(outcome)
     print("\n" + analysis.summary(outcome) + "\n  step: " + outcome.step_output)
     assert analysis.lost_grants >= 2 * PROFILE.locks, "the standby received every grant"
@@ -384,10 +423,8 @@ def test_asynchronous_failover_with_distlock_failover_issues_no_token_again(clus
     assert analysis.reissued == 0
     assert all(analysis.max_before[n] < analysis.min_after[n] for n in PROFILE.names())
     assert "ended 1 held lease(s)" in outcome.step_output
-    # The lease from before the failover was ended by the step: its holder's renewal and
-    # fenced write are refused, and its release says it no longer held the lock.
+    # The lease from before the failover was ended by the step.
     assert outcome.held_row is not None and outcome.held_row["owner"] == ""
-    renewed, written, released = outcome.held_after
-    assert renewed["event"] == "lost", renewed
-    assert written["event"] == "stale", written
-    assert released == {**released, "event": "released", "held": False}
+    assert_held_lease_ended(outcome)
+    # Without the follow nothing recorded the new timeline.
+    assert outcome.floor[0] == 1
