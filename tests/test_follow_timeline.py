@@ -158,6 +158,30 @@ def test_no_timeline_recorded_is_recorded_without_a_raise(broken):
 
 
 @postgresql_only
+def test_a_raise_that_fails_leaves_no_session_and_changes_nothing(broken):
+    # Tokens so high that the raise would pass 2**63 - 1: it raises TokenExhausted.
+    from distlock import TokenExhausted
+    from distlock.constants import MAX_TOKEN
+
+    acquire("follow:top", ttl=60).release()
+    with raw_postgres() as raw:
+        raw.execute("UPDATE distlock_lock SET token = %s WHERE name = 'follow:top'",
+                    [MAX_TOKEN - 10])
+    record(0)
+    connection.close()
+    with pytest.raises(TokenExhausted):
+        connection.ensure_connection()
+    # The session that could not raise is closed, not handed to the next query.
+    assert connection.connection is None
+    assert floor_row() is not None and floor_row()[1] == 0  # type: ignore[index]
+    assert token("follow:top") == MAX_TOKEN - 10 and broken == []
+    with raw_postgres() as raw:  # the next session's follow can raise again
+        raw.execute("UPDATE distlock_lock SET token = 5 WHERE name = 'follow:top'")
+    new_session()
+    assert floor_row() == (5 + DEFAULT_MARGIN, server_timeline())
+
+
+@postgresql_only
 def test_follow_off_leaves_a_new_timeline_alone(settings, broken):
     settings.DISTLOCK_FOLLOW_TIMELINE = False
     lease = acquire("follow:off", ttl=60)

@@ -17,6 +17,7 @@ and the first session on a promoted standby runs the step itself (docs/decisions
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,15 @@ def follow_timeline(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any)
     backend = supported(connection)
     if backend is None or not conf.FOLLOW_TIMELINE:
         return
-    followed = backend.follow_timeline(connection, DEFAULT_MARGIN)
+    try:
+        followed = backend.follow_timeline(connection, DEFAULT_MARGIN)
+    except BaseException:
+        # Not left open unchecked: Django would hand this session out at the next query
+        # (connect() assigned it before this signal) and nothing would check it again.
+        # Closed, the next query connects anew, and checks again.
+        with contextlib.suppress(Exception):
+            connection.close()
+        raise
     if followed is None:
         return
     timeline, raised = followed
