@@ -110,8 +110,7 @@ def run(ha: Patroni, directory: Path, prefix: str, fault: str) -> Outcome:
             ha.kill_server(leader)
             after = ha.wait_leader(DEADLINE, other_than=leader)
         elif fault == "switchover":
-            candidate = next(m for m in ha.members if m is not leader)
-            ha.switchover(leader, candidate)
+            ha.switchover(leader)
             after = ha.wait_leader(DEADLINE, other_than=leader)
         else:
             ha.etcd.kill(0)

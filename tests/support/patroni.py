@@ -231,6 +231,8 @@ class Patroni:
                 self.start_member(index)
         self.wait_leader(timeout)
         self.wait_streaming(self.size - 1, timeout)
+        wait_until(lambda: len(self.replicas()) == self.size - 1, timeout,
+                   "Patroni to list every replica as running", every=0.2)
 
     def kill_server(self, member: Member, sig: int = signal.SIGKILL) -> None:
         """Signal every process of ``member``'s PostgreSQL (SIGKILL: a crash)."""
@@ -331,15 +333,43 @@ class Patroni:
 
         wait_until(streaming, timeout, f"{replicas} standbys streaming", every=0.2)
 
-    def switchover(self, leader: Member, candidate: Member) -> None:
-        """A switchover through Patroni's REST API (what ``patronictl switchover`` does)."""
-        body = json.dumps({"leader": leader.name, "candidate": candidate.name}).encode()
-        request = urllib.request.Request(
-            f"{leader.api}/switchover", data=body, method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            assert answer.status == 200, answer.read()
+    def replicas(self) -> list[Member]:
+        """The members /cluster lists as running replicas (switchover candidates)."""
+        found = self.cluster() or {}
+        running = {
+            entry["name"] for entry in found.get("members", [])
+            if entry.get("role") == "replica" and entry.get("state") in ("running", "streaming")
+        }
+        return [m for m in self.members if m.name in running and m.process is not None]
+
+    def switchover(self, leader: Member, timeout: float = 60) -> Member:
+        """A switchover through Patroni's REST API (what ``patronictl switchover`` does) to
+        a running replica; returns the candidate. Patroni answers 412 while it does not
+        count the candidate as a healthy member yet (just after a member came back): asked
+        again until the deadline."""
+        done: list[Member] = []
+
+        def switched() -> bool:
+            candidates = self.replicas()
+            if not candidates:
+                return False
+            body = json.dumps({"leader": leader.name, "candidate": candidates[0].name})
+            request = urllib.request.Request(
+                f"{leader.api}/switchover", data=body.encode(), method="POST",
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    assert answer.status == 200, answer.read()
+            except urllib.error.HTTPError as refused:
+                if refused.code != 412:
+                    raise
+                return False
+            done.append(candidates[0])
+            return True
+
+        wait_until(switched, timeout, "Patroni to accept the switchover", every=0.5)
+        return done[0]
 
     # -- clients -----------------------------------------------------------------------
 
