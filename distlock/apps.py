@@ -24,3 +24,14 @@ class DistlockConfig(AppConfig):
         # After conf's own receiver (connected at its import), so the new value is read.
         setting_changed.connect(audit.follow_setting, dispatch_uid="distlock.ops.audit.follow")
         checks.register(audit.check_audit_settings)
+
+        from django.db.backends.signals import connection_created
+
+        from distlock import db
+        from distlock.ops import failover
+
+        # Every new session: the vendor's per-session set-up, then the timeline follow.
+        connection_created.connect(db.session_started, dispatch_uid="distlock.db.session_started")
+        connection_created.connect(
+            failover.follow_timeline, dispatch_uid="distlock.ops.failover.follow_timeline"
+        )

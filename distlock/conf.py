@@ -54,6 +54,11 @@ DEFAULTS: dict[str, Any] = {
     "DISTLOCK_MAX_HOLD": None,
     # After a lease ends without a release, or is broken, the name waits this long.
     "DISTLOCK_LOCK_DELAY": None,
+    # PostgreSQL: every new session compares the server's timeline with the one the token
+    # floor recorded; the first session on a promoted standby raises every token and ends
+    # every lease (distlock.ops.failover.follow_timeline), so a failover needs no
+    # `distlock_failover` step. One statement per new connection.
+    "DISTLOCK_FOLLOW_TIMELINE": True,
     # Record lock events in the audit history (LockEvent).
     "DISTLOCK_AUDIT": False,
     # Audit events older than this many seconds (or timedelta) are deleted by

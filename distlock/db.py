@@ -19,12 +19,22 @@ from typing import Any
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from distlock.backends import backend_for
+from distlock.backends import backend_for, supported
 from distlock.backends.base import Backend
-from distlock.exceptions import DistlockError, TransactionNotAllowed
+from distlock.backends.pg_syncrep import unreplicated, watching
+from distlock.exceptions import DistlockError, NotReplicated, TransactionNotAllowed
 
 # Serialization failures and deadlocks abort the whole transaction: safe to run it again.
 RETRIES = 5
+# NotReplicated's words for an operation.
+_DOING = {"acquire_existing": "grant", "acquire_new": "grant", "renew": "renewal"}
+
+
+def _not_replicated(operation: str, args: tuple[Any, ...], warning: str) -> NotReplicated:
+    doing = _DOING.get(operation, operation)
+    if args and isinstance(args[0], str):
+        doing = f"{doing} of lock {args[0]!r}"
+    return NotReplicated(doing, warning)
 
 
 def in_transaction(connection: BaseDatabaseWrapper) -> bool:
@@ -125,6 +135,13 @@ def _drop_if_broken(connection: BaseDatabaseWrapper) -> None:
             connection.close()
 
 
+def session_started(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    """The ``connection_created`` receiver: the vendor's set-up of a new session."""
+    backend = supported(connection)
+    if backend is not None:
+        backend.session_started(connection)
+
+
 def run(alias: str, operation: str, *args: Any) -> Any:
     """Run ``backend.<operation>(cursor, *args)`` in its own durable transaction.
 
@@ -151,6 +168,9 @@ def run_on(
     # autocommit mode: no BEGIN and COMMIT round trips around it. (refuse_atomic has just
     # made sure the connection is in autocommit mode.)
     alone = operation in backend.one_statement
+    # PostgreSQL: a commit whose wait for a synchronous standby was cancelled comes back
+    # as success with a WARNING, which the session's notice handler marks (pg_syncrep).
+    watching(connection)
     attempt = 0
     while True:
         attempt += 1
@@ -160,15 +180,20 @@ def run_on(
                     # _drop_if_broken closed it, or a retry follows a lost connection.
                     connection.ensure_connection()
                 with backend.statement_cursor(connection) as cursor:
-                    return method(cursor, *args)
-            with (
-                transaction.atomic(using=connection.alias, durable=True),
-                connection.cursor() as cursor,
-            ):
-                return method(cursor, *args)
+                    result = method(cursor, *args)
+            else:
+                with (
+                    transaction.atomic(using=connection.alias, durable=True),
+                    connection.cursor() as cursor,
+                ):
+                    result = method(cursor, *args)
         except DatabaseError as exc:
+            # A terminated backend sends the WARNING, then closes the connection.
+            if (warning := unreplicated(connection)) is not None:
+                raise _not_replicated(operation, args, warning) from exc
             if attempt >= RETRIES or not backend.retryable(exc):
                 raise
+            continue
         except DistlockError:
             raise
         except BaseException:
@@ -176,6 +201,9 @@ def run_on(
             # the one place that cleans up after it, on both paths (Backend.interrupted).
             backend.interrupted(connection)
             raise
+        if (warning := unreplicated(connection)) is not None:
+            raise _not_replicated(operation, args, warning)
+        return result
 
 
 def db_now_us(alias: str) -> int:

@@ -13,6 +13,7 @@ __all__ = [
     "LockTimeout",
     "LockLost",
     "NestedLock",
+    "NotReplicated",
     "StaleToken",
     "TokenExhausted",
     "TransactionNotAllowed",
@@ -100,3 +101,31 @@ class NestedLock(DistlockError, RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.token, self.owner))
+
+
+class NotReplicated(DistlockError):
+    """A grant, renewal or fenced write committed on the PostgreSQL primary, but its wait
+    for the synchronous standby was cancelled (``pg_cancel_backend``, a
+    ``statement_timeout``, ``pg_terminate_backend``): the server reported success with a
+    WARNING, and a failover to that standby may lose the commit.
+
+    So it is not reported as done. A grant: the lease is not returned (not held), and the
+    lock row may name its owner until the ttl ends (possibly held: nobody else gets it
+    before then unless a failover loses it). A renewal: the lease is no longer to be
+    trusted past its previous expiry. A fenced write: it may or may not survive a
+    failover. ``operation`` names the operation, ``warning`` is the server's message.
+    Releases do not wait for the standby (``DISTLOCK_DURABLE_RELEASE = False``) and never
+    raise it.
+    """
+
+    def __init__(self, operation: str, warning: str) -> None:
+        self.operation = operation
+        self.warning = warning
+        super().__init__(
+            f"{operation}: committed on the primary, but its wait for the synchronous "
+            f"standby was cancelled ({warning}), so a failover may lose it; it is not "
+            "reported as done (see distlock.NotReplicated)"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.operation, self.warning))

@@ -119,6 +119,10 @@ class TokenFloor(models.Model):
 
     id = models.PositiveSmallIntegerField(primary_key=True, default=FLOOR_ID, editable=False)
     token = models.BigIntegerField(default=0, editable=False)
+    #: PostgreSQL: the server timeline the tokens were last raised for (or first seen on;
+    #: migration 0004 records it). A session on a server with another timeline — a
+    #: promoted standby — raises every token first (distlock.ops.failover.follow_timeline).
+    timeline = models.BigIntegerField(null=True, editable=False)
 
     class Meta:
         db_table = FLOOR_TABLE

@@ -85,6 +85,10 @@ if PGBOUNCER:
     # Django's own advice for transaction pooling: no WITH HOLD cursors for .iterator().
     default["DISABLE_SERVER_SIDE_CURSORS"] = True
 
+# The failover tests' runs without the timeline follow (with distlock_failover, or neither).
+if os.environ.get("DISTLOCK_TEST_FOLLOW_TIMELINE") == "0":
+    DISTLOCK_FOLLOW_TIMELINE = False
+
 if CHILD_DB:
     default["NAME"] = CHILD_DB
 if os.environ.get("DISTLOCK_TEST_DB_SETTINGS"):

@@ -31,7 +31,7 @@ from distlock.models import Lock, TokenFloor
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
-LATEST = ("distlock", "0004_task_keys")
+LATEST = ("distlock", "0005_floor_timeline")
 # Each squashing migration and the 0.2 migrations it replaces.
 SQUASHED = {
     "0001_tables": [

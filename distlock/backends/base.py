@@ -164,6 +164,23 @@ class Backend(TokenFloorSQL, IndexSQL, WaitingSQL, SharedRowsSQL, SchemaChecks, 
         """The cursor for a one-statement operation (the connection is open and autocommit)."""
         return connection.cursor()
 
+    # -- a new session (connection_created) --------------------------------------------
+
+    def session_started(self, connection: BaseDatabaseWrapper) -> None:
+        """Called for each new session of this database, before its first query: what a
+        vendor sets up per session (PostgreSQL: the watch for cancelled synchronous
+        replication waits, :mod:`~distlock.backends.pg_syncrep`)."""
+
+    def follow_timeline(
+        self, connection: BaseDatabaseWrapper, margin: int
+    ) -> tuple[int, tuple[int, int, int, list[tuple[str, str, int, str]]] | None] | None:
+        """On a server whose failover epoch changed since the token floor recorded it,
+        raise the tokens by ``margin`` and record the new epoch (see
+        :mod:`~distlock.backends.pg_timeline`): (the epoch, raise_tokens' result or None
+        for a first record), or None when there was nothing to do. Only PostgreSQL has
+        such an epoch (its timeline); elsewhere nothing is done."""
+        return None
+
     def interrupted(self, connection: BaseDatabaseWrapper) -> None:
         """An operation was cut short by an exception from outside the database
         (KeyboardInterrupt, a Celery soft time limit, anything a signal handler raises):

@@ -141,6 +141,22 @@ class PostgreSQL(Backend):
             return WireCursor.reused(connection)
         return _BoundCursor.reused(connection)
 
+    def session_started(self, connection: BaseDatabaseWrapper) -> None:
+        from distlock.backends import pg_syncrep
+
+        pg_syncrep.watch(connection)
+
+    def follow_timeline(
+        self, connection: BaseDatabaseWrapper, margin: int
+    ) -> tuple[int, tuple[int, int, int, list[tuple[str, str, int, str]]] | None] | None:
+        # Not with autocommit turned off for the whole alias (AUTOCOMMIT = False): the
+        # check would open the caller's transaction (docs/deployment.md).
+        if connection.connection is None or not connection.autocommit:
+            return None
+        from distlock.backends import pg_timeline
+
+        return pg_timeline.follow(self, connection.connection, margin)
+
     def interrupted(self, connection: BaseDatabaseWrapper) -> None:
         """Keep a session the driver has already brought back to idle: on Ctrl-C psycopg
         cancels the statement on the server and reads its end, so nothing of the

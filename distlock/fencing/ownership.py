@@ -21,16 +21,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar
 
 from django.apps import apps
-from django.db import connections, models, transaction
+from django.db import DatabaseError, connections, models, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models.expressions import Col, Expression
 from django.db.models.lookups import Lookup
 
 from distlock import db, signals
-from distlock.backends import backend_for
+from distlock.backends import backend_for, pg_syncrep
 from distlock.conf import conf
 from distlock.core import uncommitted
-from distlock.exceptions import StaleToken
+from distlock.exceptions import NotReplicated, StaleToken
 
 if TYPE_CHECKING:
     from django.db.models.sql.compiler import SQLCompiler
@@ -233,24 +233,41 @@ def fenced(
     """
     folded = folded_check(model, lease, using) if one_statement else None
     checked = folded is None and _checks_ownership(model, lease, using)
+    connection = connections[using]
+    # Committed here, not by the caller's transaction: its commit is checked for a
+    # cancelled synchronous replication wait (pg_syncrep); the caller's own is not.
+    alone = not db.in_transaction(connection)
     # The check's row lock outlives this call when the caller's transaction goes on.
-    outlives = checked and db.in_transaction(connections[using])
+    outlives = checked and not alone
+    if alone:
+        pg_syncrep.watching(connection)
     try:
         if folded is not None:
-            return write(folded)
-        backend_for(connections[using]).join_manual_transaction(connections[using])
-        try:
-            with transaction.atomic(using=using):
-                if checked:
-                    _owner_check(connections[using], lease)
-                return write(None)
-        finally:
-            if outlives:
-                uncommitted.remember(lease.name, using)
+            done = write(folded)
+        else:
+            backend_for(connection).join_manual_transaction(connection)
+            try:
+                with transaction.atomic(using=using):
+                    if checked:
+                        _owner_check(connection, lease)
+                    done = write(None)
+            finally:
+                if outlives:
+                    uncommitted.remember(lease.name, using)
     except Refused as refused:
         _report(model, lease, refused, row_token(), what)
     except OtherLock as exc:
         raise ValueError(str(exc)) from None
+    except DatabaseError as exc:
+        # A terminated backend sends the WARNING, then closes the connection.
+        if alone and (warning := pg_syncrep.unreplicated(connection)) is not None:
+            raise NotReplicated(f"fenced write to {what} with lock {lease.name!r} token "
+                                f"{lease.token}", warning) from exc
+        raise
+    if alone and (warning := pg_syncrep.unreplicated(connection)) is not None:
+        raise NotReplicated(f"fenced write to {what} with lock {lease.name!r} token "
+                            f"{lease.token}", warning)
+    return done
 
 
 def _report(

@@ -9,15 +9,28 @@ matter, not the lock's.) :func:`raise_tokens`, run on the promoted server before
 application reaches it, puts every lock's next token, and every new name's first one,
 above anything the lost primary can have issued. ``manage.py distlock_failover`` is its
 command; docs/deployment.md has the runbook.
+
+:func:`follow_timeline` makes the step needless on PostgreSQL: every new session compares
+the server's timeline, which a promotion advances, with the one the token floor recorded,
+and the first session on a promoted standby runs the step itself (docs/decisions.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
+from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from distlock import db, signals
+from distlock.backends import supported
+from distlock.conf import conf
 from distlock.core import uncommitted
 from distlock.validation import check_text, check_token_range, check_using
+
+logger = logging.getLogger("distlock.ops.failover")
 
 #: The default margin: more grants than the lost primary can have made that the standby
 #: never received. One name is granted at most a few thousand times a second (one commit
@@ -75,3 +88,50 @@ def raise_tokens(
             by=by,
         )
     return RaisedTokens(previous, floor, rows, tuple(ended))
+
+
+def follow_timeline(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    """The ``connection_created`` receiver: failover with no operator step.
+
+    On PostgreSQL, a session whose server is on another timeline than the token floor
+    recorded — a promoted standby, which may lack the last grants of the primary it
+    replaces — runs :func:`raise_tokens`' SQL (every token and the floor + DEFAULT_MARGIN,
+    every lease ended) and records the server's timeline, in one transaction under the
+    floor row's lock: the first session there does it, the others find it recorded. Then
+    ``lock_broken`` is sent for each lease ended, by "failover to timeline N", and a
+    WARNING logged. Every write on a promoted server runs on a session opened after the
+    promotion (a promotion ends every session of the old primary), so nothing is granted
+    there before the raise. One statement per new session, nothing per lock operation.
+    ``DISTLOCK_FOLLOW_TIMELINE = False`` turns it off (then run ``distlock_failover``).
+    Elsewhere (SQLite, MariaDB, a standby's read-only sessions) it does nothing.
+    """
+    backend = supported(connection)
+    if backend is None or not conf.FOLLOW_TIMELINE:
+        return
+    try:
+        followed = backend.follow_timeline(connection, DEFAULT_MARGIN)
+    except BaseException:
+        # Not left open unchecked: Django would hand this session out at the next query
+        # (connect() assigned it before this signal) and nothing would check it again.
+        # Closed, the next query connects anew, and checks again.
+        with contextlib.suppress(Exception):
+            connection.close()
+        raise
+    if followed is None:
+        return
+    timeline, raised = followed
+    if raised is None:
+        logger.info("distlock: recorded timeline %s of database %r", timeline, connection.alias)
+        return
+    previous, floor, rows, ended = raised
+    by = f"failover to timeline {timeline}"
+    logger.warning(
+        "distlock: database %r is on timeline %s, not the one its token floor recorded "
+        "(a promoted standby): every fencing token raised from %s to %s (%s lock rows), "
+        "%s held lease(s) ended", connection.alias, timeline, previous, floor, rows, len(ended),
+    )
+    for name, owner, token, holder in ended:
+        signals.lock_broken.send(
+            sender=None, name=name, owner=owner, token=token, holder=holder,
+            using=connection.alias, by=by,
+        )

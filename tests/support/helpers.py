@@ -61,15 +61,16 @@ def expired_lock(name: str, holder: str = "sleepy") -> Lease:
     return lease
 
 
-def raw_postgres() -> Any:
+def raw_postgres(**override: Any) -> Any:
     """A PostgreSQL session outside Django (autocommit), to watch waiters and play one by
-    hand: the test database's connection parameters, without Django's cursor factory."""
+    hand: the test database's connection parameters (``override``: others, e.g. another
+    ``dbname``), without Django's cursor factory."""
     import psycopg
 
     params = connections["default"].get_connection_params()
     params.pop("cursor_factory", None)
     params.pop("context", None)
-    return psycopg.connect(**params, autocommit=True)
+    return psycopg.connect(**{**params, **override}, autocommit=True)
 
 
 def us(moment: datetime | None) -> int | None:

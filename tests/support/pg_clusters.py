@@ -333,6 +333,7 @@ class Replicated:
             label="primary",
         )
         self.standby: Server | None = None
+        self._conninfo = ""  # the standby's primary_conninfo before cut_replication()
 
     def start(self) -> None:
         """Primary up and migrated, the standby cloned from it and streaming (in sync)."""
@@ -383,12 +384,26 @@ class Replicated:
         synchronous: every COMMIT waits for the standby, which never answers."""
         assert self.standby is not None
         standby = self.standby
+        self._conninfo = standby.query("SHOW primary_conninfo", local=True)[0][0]
         standby.query("ALTER SYSTEM SET primary_conninfo = ''", local=True)
         standby.query("SELECT pg_reload_conf()", local=True)
         wait_until(lambda: not standby.query("SELECT 1 FROM pg_stat_wal_receiver", local=True), 30,
                    "the standby's WAL receiver to stop", every=0.05)
         wait_until(lambda: self.replication_state() is None, 30,
                    "the primary to lose its standby", every=0.05)
+
+    def resume_replication(self) -> None:
+        """Undo :meth:`cut_replication`: the standby streams again (and is synchronous
+        again where it was), so commits waiting for it go through."""
+        assert self.standby is not None and self._conninfo
+        standby = self.standby
+        standby.query(f"ALTER SYSTEM SET primary_conninfo = {_literal(self._conninfo)}",
+                      local=True)
+        standby.query("SELECT pg_reload_conf()", local=True)
+        self.wait_streaming()
+        if self.synchronous:
+            wait_until(lambda: self.replication_state() == ("streaming", "sync"), 60,
+                       "the standby to become synchronous again", every=0.05)
 
     def promote(self) -> None:
         """``pg_ctl promote``, waiting until the standby takes writes."""
@@ -415,6 +430,11 @@ class Replicated:
         for server in (self.standby, self.primary):
             if server is not None:
                 server.stop()
+
+
+def _literal(text: str) -> str:
+    """``text`` as an SQL string literal (ALTER SYSTEM takes no parameters)."""
+    return "'" + text.replace("'", "''") + "'"
 
 
 def now_us() -> int:

@@ -233,14 +233,15 @@ def agent(label: str, name: str) -> None:
 
     Commands: ``acquire`` (ttl, timeout), ``renew``, ``release``, ``write`` (fenced +1 on
     the Resource of the lock), ``write_and_wait`` (the same, then waits for ``commit``
-    inside the open transaction), ``exit``. Database errors are reported as ``dberror``
+    inside the open transaction), ``write_alone`` (the same, committed on its own: no
+    transaction around it), ``exit``. Database errors are reported as ``dberror``
     events with the exception's class, and the broken connection is dropped, as a real
-    worker outside the request cycle must do.
+    worker outside the request cycle must do; NotReplicated as ``not_replicated``.
     """
     from django.db import DatabaseError, transaction
     from django.db.models import F
 
-    from distlock import LockLost, acquire
+    from distlock import LockLost, NotReplicated, acquire
     from distlock.exceptions import StaleToken
     from tests.stressapp.models import Resource
     from tests.support.worker import command, emit, lease_data
@@ -279,11 +280,17 @@ def agent(label: str, name: str) -> None:
                 emit("released", held=lease.release())
             elif what in ("write", "write_and_wait"):
                 fenced_write(what == "write_and_wait")
+            elif what == "write_alone":
+                Resource.objects.filter(name=name).fenced_update(lease, value=F("value") + 1)
+                emit("written", token=lease.token)
             elif what == "exit":
                 return
         except LockLost as exc:
             emit("lost", reason=exc.reason)
         except StaleToken as exc:
             emit("stale", error=str(exc))
+        except NotReplicated as exc:
+            emit("not_replicated", operation=exc.operation, error=str(exc))
+            drop_broken_connections()
         except DatabaseError as exc:
             dberror(exc)
