@@ -52,6 +52,11 @@ MAX_NAME_LENGTH = 255
 OWNER_LENGTH = 32
 HOLDER_LENGTH = 255
 
+# What distlock.leader writes into the holder text of an election's lock: how the admin
+# and the leader gauge tell an election's lock from any other (display only: a caller
+# who writes it into a plain lock's holder text sees that lock listed as an election).
+LEADER_MARK = "[leader]"
+
 # Fencing tokens are signed 64-bit integers on every backend, starting at 1.
 MAX_TOKEN = 2**63 - 1
 

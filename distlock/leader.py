@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from distlock.constants import LEADER_MARK
 from distlock.core.async_locks import aacquire
 from distlock.core.leases import Lease
 from distlock.core.locks import acquire
@@ -95,6 +96,15 @@ class Term:
         self._over.set()
 
 
+def leader_holder(holder: str) -> str:
+    """The holder text of an election's lock: the caller's, after :data:`LEADER_MARK`, which
+    is how the admin and the ``distlock_leader_term`` gauge find elections. (A holder that
+    is not a str is left as it is, for acquire's own check to refuse.)"""
+    if not isinstance(holder, str):
+        return holder
+    return f"{LEADER_MARK} {holder}".rstrip()
+
+
 def elect(
     name: str, *, ttl: Seconds = 30, timeout: Seconds | None = None,
     using: str | None = None, holder: str = "",
@@ -103,7 +113,7 @@ def elect(
     return the :class:`Term`, renewed in a helper thread until :meth:`Term.resign`;
     None if not elected in time. Raises what :func:`~distlock.acquire` raises."""
     holder_lease = acquire(
-        name, ttl=ttl, timeout=timeout, using=using, holder=holder,
+        name, ttl=ttl, timeout=timeout, using=using, holder=leader_holder(holder),
         min_hold=None, max_hold=None, lock_delay=None,  # a leader leads until it loses
     )
     if holder_lease is None:
@@ -120,7 +130,7 @@ async def aelect(
     """:func:`elect` for async code: the renewal is an asyncio task of the running loop,
     so the term lasts while the loop runs; end it with ``await term.aresign()``."""
     holder_lease = await aacquire(
-        name, ttl=ttl, timeout=timeout, using=using, holder=holder,
+        name, ttl=ttl, timeout=timeout, using=using, holder=leader_holder(holder),
         min_hold=None, max_hold=None, lock_delay=None,  # a leader leads until it loses
     )
     if holder_lease is None:

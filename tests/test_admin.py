@@ -1417,3 +1417,27 @@ def rows_of_html(html: str) -> dict[str, str]:
         content = html.encode()
 
     return rows(_Response())
+
+
+def test_an_elections_lock_shows_its_term_and_the_list_filters_the_leaders(su_client):
+    """Issue 30: the admin shows leaders — the term (the token) and since when, by the
+    database clock — and "elections" lists the elections' locks only."""
+    from distlock.leader import elect
+
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \S+ \((in \d+ s|now|\d+ s ago)\)"
+    term = elect("el:scheduler", ttl=600, holder="beat on host-3")
+    assert term is not None
+    acquire("el:plain", ttl=600, holder="not a leader")
+    try:
+        row = Lock.objects.get(name="el:scheduler")
+        assert "[leader] beat on host-3" in row.holder
+        page = su_client.get(reverse(LOCK_PAGE, args=["el:scheduler"]))
+        assert re.fullmatch(rf"term {term.token}, leading since {stamp}",
+                            field(page, "leader_term")), field(page, "leader_term")
+        plain = su_client.get(reverse(LOCK_PAGE, args=["el:plain"]))
+        assert "field-leader_term" not in plain.content.decode()
+        assert result_names(su_client.get(reverse(CHANGELIST), {"leader": "yes"})) == [
+            "el:scheduler"]
+    finally:
+        term.resign()
+    assert result_names(su_client.get(reverse(CHANGELIST), {"leader": "yes"})) == []

@@ -358,6 +358,35 @@ def test_the_policy_gauge_counts_held_locks_per_lease_policy(lock_db, gauge_regi
     assert found == {"min_hold": 1, "max_hold": 1, "lock_delay": 2}
 
 
+def test_the_leader_gauge_reports_each_elections_term_while_it_leads(lock_db, gauge_registry):
+    """Issue 30: the metrics show leaders. One sample per election with a leader now, its
+    term, labelled by the name pattern; a plain lock, an expired term and a resigned one
+    have none."""
+    from prometheus_client import generate_latest
+
+    from distlock.leader import elect
+
+    def terms() -> dict[str, float]:
+        text = generate_latest(gauge_registry).decode()
+        return {
+            sample.labels["election"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "distlock_leader_term"
+        }
+
+    scheduler = elect("scheduler", ttl=600)
+    warmer = elect("warmer:eu", ttl=600)
+    assert scheduler is not None and warmer is not None
+    acquire("plain", ttl=600, holder="a leader in name only")
+    expired_lock("gone-leader", holder="[leader] expired")
+    try:
+        assert terms() == {"scheduler": scheduler.token, "warmer:*": warmer.token}
+    finally:
+        scheduler.resign()
+        warmer.resign()
+    assert terms() == {}
+
+
 def test_a_failed_gauge_query_leaves_the_gauges_out_and_the_scrape_answers(
     lock_db, gauge_registry, caplog
 ):

@@ -1,4 +1,5 @@
-"""The lock list's filters: state by the database clock, and "held by" a holder text.
+"""The lock list's filters: state by the database clock, "held by" a holder text, and the
+elections' locks.
 
 Both read through the owned rows' index (``owner > ''``, migration 0001) where they can,
 never the whole lock table.
@@ -12,7 +13,7 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from distlock.constants import HOLDER_LENGTH
+from distlock.constants import HOLDER_LENGTH, LEADER_MARK
 from distlock.core.status import EXPIRED, FREE, HELD, state_is
 from distlock.db import db_now_us
 
@@ -67,6 +68,25 @@ class HeldByFilter(admin.SimpleListFilter):
         if len(term) > HOLDER_LENGTH or "\x00" in term:
             return queryset.none()  # no holder text can contain it
         return queryset.filter(owner__gt="", holder__icontains=term)
+
+
+class LeaderFilter(admin.SimpleListFilter):
+    """``?leader=yes``: the elections' locks held or expired now (distlock.leader writes
+    :data:`~distlock.constants.LEADER_MARK` into their holder text), read through the owned
+    rows' index as "held by" is."""
+
+    title = "elections"
+    parameter_name = "leader"
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        return [("yes", "leaders")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "yes":
+            return queryset.filter(owner__gt="", holder__contains=LEADER_MARK)
+        return queryset
 
 
 def held_by_term(value: str | None) -> str:

@@ -26,7 +26,7 @@ from distlock.backends.indexes import RARE_KINDS_SQL
 from distlock.conf import conf
 from distlock.core.inspection import LockStatus, lock_status
 from distlock.core.policies import DELAY_OWNER, named, seconds_text
-from distlock.core.status import EXPIRED, LockWithState, duration, relative
+from distlock.core.status import EXPIRED, HELD, LockWithState, duration, relative
 from distlock.models import Lock, LockEvent
 from distlock.times import EPOCH
 
@@ -134,6 +134,17 @@ class LockPage(LockModelAdmin):
             how = format_html("broken {} by {}", relative(obj.expires_us, obj.db_now_us),
                               event.by or "?")
         return format_html("{} — {}", how, _exact(obj.expires_us, obj.db_now_us))
+
+    @admin.display(description="leader election")
+    def leader_term(self, obj: LockWithState) -> str:
+        """An election's lock (distlock.leader): the term is the token; since when it leads
+        and whether that term still stands, by the database clock."""
+        acquired = _exact(obj.acquired_us or 0, obj.db_now_us)
+        if obj.state == HELD:
+            return format_html("term {}, leading since {}", obj.token, acquired)
+        return format_html(
+            "term {} ran out (led from {}); the next campaign elects term {} or later",
+            obj.token, acquired, obj.token + 1)
 
     @admin.display(description="lease policies")
     def lease_policies(self, obj: LockWithState) -> str:

@@ -35,7 +35,7 @@ from distlock.admin.display import (
     mark_freed,
     short_owner,
 )
-from distlock.admin.filters import HeldByFilter, StateFilter, held_by_term
+from distlock.admin.filters import HeldByFilter, LeaderFilter, StateFilter, held_by_term
 from distlock.admin.lock_page import LockPage
 from distlock.admin.paging import CappedPaginator, SortedWhereBounded, sortable_columns
 from distlock.admin.search import HELP_TEXT, NameSearch
@@ -43,6 +43,7 @@ from distlock.admin.views.overview import fragment as overview_fragment
 from distlock.admin.views.overview import page as overview_page
 from distlock.admin.views.timeline import timeline_url
 from distlock.conf import conf
+from distlock.constants import LEADER_MARK
 from distlock.core.status import LockWithState, relative, with_state
 from distlock.models import Lock
 
@@ -64,7 +65,7 @@ class LockAdmin(NameSearch, LockPage, LockBreaking):
     list_display = [
         "name", "state_badge", "holder_cut", "token", "acquired", "expires", "renewed",
     ]
-    list_filter = [StateFilter, HeldByFilter]
+    list_filter = [StateFilter, HeldByFilter, LeaderFilter]
     # The box searches names only, by prefix through the primary key (NameSearch: one
     # range of the index, where Django's search would scan the table).
     search_fields = ["name"]
@@ -85,7 +86,7 @@ class LockAdmin(NameSearch, LockPage, LockBreaking):
         "history",
     )
     # A free lock has no expiry: its page says how and when it was freed instead.
-    readonly_fields = (*fields, "freed_at")
+    readonly_fields = (*fields, "freed_at", "leader_term")
     change_form_template = "admin/distlock/lock/change_form.html"
     change_list_template = "admin/distlock/lock/change_list.html"
 
@@ -97,6 +98,10 @@ class LockAdmin(NameSearch, LockPage, LockBreaking):
     def get_fields(self, request: HttpRequest, obj: Lock | None = None) -> Any:
         if obj is not None and obj.is_free:
             return tuple("freed_at" if f == "expires_at" else f for f in self.fields)
+        if obj is not None and LEADER_MARK in obj.holder:
+            # An election's lock: its term and since when, next to the token.
+            index = self.fields.index("token") + 1
+            return (*self.fields[:index], "leader_term", *self.fields[index:])
         return self.fields
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:

@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from distlock.backends import backend_for
 from distlock.conf import conf
+from distlock.constants import LEADER_MARK
 from distlock.core.status import EXPIRED, HELD, state_is
 from distlock.db import db_now_us
 
@@ -51,6 +52,11 @@ EXPIRED_NOW = ("distlock_locks_expired", "Locks whose lease ran out and that nob
 WAITING_NOW = ("distlock_sessions_waiting", "Sessions waiting for a lock now, as the "
                "wake-up registrations show them (PostgreSQL); a session counts once per "
                "lock it waits for.")
+LEADER_TERM = ("distlock_leader_term", "The term (fencing token) of each election's leader "
+               "now (distlock.leader), by the election's name pattern; an election with "
+               "no leader now has no sample.", ["election"])
+# The most elections' locks one scrape reads.
+LEADERS_LIMIT = 1000
 TASK_KEYS = ("distlock_task_keys", "Keys of enqueue_once() with a live slot now, by slot: "
              "a task sent and not started (queued), a run in its body (running).")
 WITH_POLICY = ("distlock_locks_held_with_policy", "Locks held now whose grant has this "
@@ -78,6 +84,24 @@ def read(alias: str) -> tuple[int, int, int | None]:
         found = backend_for(connection).waiting(cursor, WAITING_LIMIT)
     waiting = None if found is None else sum(sessions for _, sessions, _ in found)
     return int(counts["held"]), int(counts["expired"]), waiting
+
+
+def read_leaders(alias: str) -> dict[str, int]:
+    """The term of each election's leader held now in ``alias``, by the name pattern of the
+    ``lock`` label (the highest term where a pattern covers several elections). Read
+    through the owned rows' index, as :func:`read`'s count."""
+    from distlock.contrib.prometheus.labels import pattern_of
+    from distlock.models import Lock
+
+    now = db_now_us(alias)
+    rows = Lock.objects.using(alias).filter(owner__gt="").filter(
+        state_is(HELD, now), holder__contains=LEADER_MARK
+    ).values_list("name", "token")[:LEADERS_LIMIT]
+    terms: dict[str, int] = {}
+    for name, token in rows:
+        election = pattern_of(name)
+        terms[election] = max(token, terms.get(election, 0))
+    return terms
 
 
 def read_task_keys() -> tuple[int, int]:
@@ -127,7 +151,7 @@ class DatabaseGauges(Collector):
         """The families without samples: registering the collector reads no database
         (it happens in ready(), before any request)."""
         return [GaugeMetricFamily(*HELD_NOW), GaugeMetricFamily(*EXPIRED_NOW),
-                GaugeMetricFamily(*WAITING_NOW), _policy_family(),
+                GaugeMetricFamily(*WAITING_NOW), _policy_family(), _labelled(LEADER_TERM),
                 GaugeMetricFamily(*TASK_KEYS, labels=["slot"]),
                 CounterMetricFamily(*FAILURES)]
 
@@ -136,6 +160,7 @@ class DatabaseGauges(Collector):
         try:
             held, expired, waiting = read(alias)
             with_policy = read_policies(alias)
+            leaders = read_leaders(alias)
         except Exception:
             # Whatever went wrong, the scrape of every other metric must still answer.
             logger.warning("distlock gauges: could not read database %r", alias,
@@ -152,6 +177,10 @@ class DatabaseGauges(Collector):
             for policy, count in with_policy.items():
                 family.add_metric([policy], count)
             yield family
+            terms = _labelled(LEADER_TERM)
+            for election, term in sorted(leaders.items()):
+                terms.add_metric([election], term)
+            yield terms
         yield from self._task_keys()
         yield CounterMetricFamily(*FAILURES, value=self._failures)
 
@@ -172,7 +201,11 @@ class DatabaseGauges(Collector):
 
 
 def _policy_family() -> GaugeMetricFamily:
-    name, documentation, labels = WITH_POLICY
+    return _labelled(WITH_POLICY)
+
+
+def _labelled(spec: tuple[str, str, list[str]]) -> GaugeMetricFamily:
+    name, documentation, labels = spec
     return GaugeMetricFamily(name, documentation, labels=labels)
 
 
