@@ -67,7 +67,9 @@ def broker_url() -> str:
 
 
 def configure(base: Path, queue: str, visibility: float | None = None) -> None:
-    """Point the app at the session's broker folder/queue (before its first connection)."""
+    """Point the app at the session's broker folder/queue, dropping the connections made
+    under the previous configuration (:func:`_forget_connections`)."""
+    _forget_connections()
     url = broker_url()
     options: dict[str, Any]
     if url == "filesystem://":
@@ -97,6 +99,28 @@ def configure(base: Path, queue: str, visibility: float | None = None) -> None:
         worker_lost_wait=1.0,
         worker_hijack_root_logger=False,
     )
+
+
+def _forget_connections() -> None:
+    """Drop the app's broker connection and producer pools, and kombu's global ones.
+
+    They are made at the first send and kept: kombu keys its global pools by the broker
+    URL, which is the same for every test module (``filesystem://``, one Redis URL), not by
+    the transport options that name the module's folder or queue. A second module that
+    configured the app (tests/test_unique_tasks.py, then tests/test_celery.py) sent to the
+    first module's folder through the kept pool, and its worker saw nothing. Closing only
+    the app's pool is not enough either: kombu's global group then hands the closed pool
+    back ("Acquire on closed pool", found by a CI run of 2026-12-05)."""
+    import kombu.pools
+
+    pool = app._pool
+    if pool is not None:
+        pool.force_close_all()
+    app._pool = None
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
+    kombu.pools.reset()
 
 
 if os.environ.get(DIR_ENV):  # in a worker started by the tests
