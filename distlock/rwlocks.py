@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from distlock.conf import conf
-from distlock.core.grants import DEFAULT, Request, wait_limit
+from distlock.core.grants import DEFAULT, Request
 from distlock.core.leases import LostCallback
 from distlock.core.locks import refuse_async
 from distlock.core.shared import (
@@ -44,7 +44,7 @@ from distlock.core.shared import (
     obtain,
     refuse_nested,
 )
-from distlock.validation import Seconds, check_name, check_text, check_ttl, check_using
+from distlock.validation import Seconds, check_name
 
 __all__ = [
     "READERS", "aacquire_read", "aacquire_write", "acquire_read", "acquire_write",
@@ -170,17 +170,10 @@ class _RWBlock(PermitBlock):
         on_lost: LostCallback | None = None,
     ) -> None:
         super().__init__()
-        self.name = check_rw_name(name)
-        check_ttl(ttl)
-        wait_limit(timeout)
-        check_text(holder, "holder")
-        if using is not None:
-            check_using(using)
-        self._timeout = timeout
-        self._options: dict[str, Any] = {
+        self._keep(check_rw_name(name), {
             "ttl": ttl, "timeout": timeout, "using": using, "holder": holder,
             "auto_renew": auto_renew, "on_lost": on_lost,
-        }
+        })
 
     def _recreate_cm(self) -> Any:
         return type(self)(self.name, **self._options)

@@ -38,7 +38,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from distlock.backends import backend_for
-from distlock.core.grants import DEFAULT, Request, wait_limit
+from distlock.core.grants import DEFAULT, Request
 from distlock.core.inspection import LockStatus, state_at
 from distlock.core.leases import LostCallback
 from distlock.core.locks import refuse_async
@@ -54,7 +54,7 @@ from distlock.core.shared import (
 from distlock.core.status import HELD
 from distlock.models import Lock
 from distlock.times import from_us
-from distlock.validation import Seconds, check_name, check_text, check_ttl, check_using
+from distlock.validation import Seconds, check_name, check_using
 
 __all__ = [
     "MAX_PERMITS", "Permit", "SemaphoreStatus", "aacquire_permit", "acquire_permit",
@@ -163,18 +163,12 @@ class _SemaphoreBlock(PermitBlock):
     ) -> None:
         super().__init__()
         # Checked now: a bad decorator fails at import.
-        self.name = check_semaphore_name(name)
+        checked = check_semaphore_name(name)
         check_permits(permits)
-        check_ttl(ttl)
-        wait_limit(timeout)
-        check_text(holder, "holder")
-        if using is not None:
-            check_using(using)
-        self._timeout = timeout
-        self._options: dict[str, Any] = {
+        self._keep(checked, {
             "permits": permits, "ttl": ttl, "timeout": timeout, "using": using,
             "holder": holder, "auto_renew": auto_renew, "on_lost": on_lost,
-        }
+        })
 
     def _recreate_cm(self) -> Any:
         # A decorated function may run in several threads (or tasks) at once.

@@ -36,6 +36,7 @@ from distlock.core.leases import Lease, LostCallback
 from distlock.core.locks import _current, _push, _running_task
 from distlock.core.shielding import shielded
 from distlock.exceptions import LockTimeout, NestedLock
+from distlock.validation import check_text, check_ttl, check_using
 
 # The back-off stops doubling after this many refused tries: DISTLOCK_POLL_INTERVAL × 8
 # at most (0.16 s by default; never above DISTLOCK_POLL_MAX_INTERVAL). Nothing wakes a
@@ -196,10 +197,23 @@ class PermitBlock:
 
     name: str
     _timeout: Any
+    _options: dict[str, Any]
 
     def __init__(self) -> None:
         self.permit: Permit | None = None
         self._token: Any = None
+
+    def _keep(self, name: str, options: dict[str, Any]) -> None:
+        """Check a block's options now (a bad decorator fails at import, not at its first
+        call) and keep them for each entry's acquire; ``name`` is already checked."""
+        check_ttl(options["ttl"])
+        grants.wait_limit(options["timeout"])
+        check_text(options["holder"], "holder")
+        if options["using"] is not None:
+            check_using(options["using"])
+        self.name = name
+        self._timeout = options["timeout"]
+        self._options = options
 
     def _entered(self, permit: Permit | None) -> Permit:
         if permit is None:
