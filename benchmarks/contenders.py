@@ -356,6 +356,50 @@ class MariaUpsert(Contender):
         self.conn.close()
 
 
+class MariaRawCall(Contender):
+    """distlock's own stored procedures called by raw mysqlclient: no Django, no distlock
+    Python. Same guarantees as distlock (it is distlock's server side); what it costs
+    beside A is the server's price of the CALL, and distlock beside it is the price of the
+    Python layer (issue 33's "limit measured with a reference with the same guarantees")."""
+
+    label = "distlock's CALLs (raw mysqlclient)"
+    note = "CALL distlock_acquire + CALL distlock_release, autocommit, no Django"
+    HOLDER = "bench pid=0 thread=MainThread"  # as long as distlock's own holder text
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    def connect(self) -> None:
+        import MySQLdb
+
+        from distlock.constants import MAX_TOKEN
+
+        self.max_token = MAX_TOKEN
+        self.conn = MySQLdb.connect(**self.params, autocommit=True, charset="utf8mb4")
+        self.cur = self.conn.cursor()
+
+    def _call(self, sql: str, args: tuple[Any, ...]) -> Any:
+        self.cur.execute(sql, args)
+        row = self.cur.fetchone()
+        while self.cur.nextset():
+            pass
+        return row
+
+    def try_acquire(self, name: str) -> Any:
+        owner = new_owner()
+        row = self._call("CALL distlock_acquire(%s, %s, %s, %s, %s)",
+                         (name, owner, self.HOLDER, TTL_S * 1_000_000, self.max_token))
+        if row[0] != "granted":
+            return None
+        return name, owner, row[1]
+
+    def release(self, handle: Any) -> None:
+        self._call("CALL distlock_release(%s, %s, %s)", handle)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 class SqliteUpsert(Contender):
     """S.A: A's upsert in SQLite (autocommit, WAL, synchronous=FULL, busy timeout 5 s)."""
 

@@ -139,7 +139,7 @@ def build(backends: list[str], scale: bool, with_redis: bool,
         sections.append(Section(
             "MariaDB", "mariadb",
             [c.MariaUpsert(dbs.maria_params()), c.Distlock("mariadb"),
-             c.DistlockPythonPath("mariadb")], scenarios,
+             c.MariaRawCall(dbs.maria_params()), c.DistlockPythonPath("mariadb")], scenarios,
         ))
     if "sqlite" in backends:
         dbs.prepare("sqlite", dbs.POOL)
