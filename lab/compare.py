@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -21,32 +20,63 @@ from pathlib import Path
 from typing import Any
 
 from lab import report
-from lab.django_setup import create_database, database
-from lab.scenarios import APPLIES, CONTENDERS, ROOT, SCENARIOS, Cell, Servers, rate, run_cell
+from lab.django_setup import create_database, database, migrate_in_child
+from lab.pg_servers import Replicated
+from lab.scenarios import (
+    APPLIES,
+    CONTENDERS,
+    PG_VARIANTS,
+    SCENARIOS,
+    Cell,
+    Servers,
+    rate,
+    run_cell,
+)
 from lab.servers import EtcdCluster, RedisNodes, Unavailable
 
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/distlock_lab"
 
 
 class Resource:
-    """The driver's own connection to the resource rows: reset before, sum after."""
+    """The driver's own connection to the resource rows: reset before, sum after.
+
+    On a PostgreSQL pair (the failover scenarios) the primary changes: a connection that
+    died with the old one is opened again, through the pair's host list, once.
+    """
 
     def __init__(self, url: str) -> None:
+        self.entry = database(url)
+        self.conn = self.connect()
+
+    def connect(self) -> Any:
         import psycopg
 
-        entry = database(url)
-        self.conn = psycopg.connect(host=entry["HOST"], port=entry["PORT"], user=entry["USER"],
-                                    password=entry["PASSWORD"] or None, dbname=entry["NAME"],
-                                    autocommit=True)
+        entry = self.entry
+        return psycopg.connect(host=entry["HOST"], port=entry["PORT"], user=entry["USER"],
+                               password=entry["PASSWORD"] or None, dbname=entry["NAME"],
+                               autocommit=True, **entry.get("OPTIONS", {}))
+
+    def execute(self, sql: str) -> Any:
+        import psycopg
+
+        try:
+            return self.conn.execute(sql)
+        except psycopg.OperationalError:
+            self.conn.close()
+            self.conn = self.connect()
+            return self.conn.execute(sql)
 
     def reset(self) -> None:
-        self.conn.execute(
+        self.execute(
             "INSERT INTO lab_cell (key, value, fence_token) VALUES ('a', 0, 0), ('b', 0, 0) "
             "ON CONFLICT (key) DO UPDATE SET value = 0, fence_token = 0")
 
     def total(self) -> int:
-        row = self.conn.execute("SELECT coalesce(sum(value), 0) FROM lab_cell").fetchone()
+        row = self.execute("SELECT coalesce(sum(value), 0) FROM lab_cell").fetchone()
         return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -83,8 +113,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def migrate(url: str) -> None:
     create_database(url)
-    command = [sys.executable, "-m", "lab.worker", "--migrate", json.dumps({"postgres": url})]
-    subprocess.run(command, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    migrate_in_child(url)
 
 
 def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
@@ -98,6 +127,19 @@ def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
     return RedisNodes(size)
 
 
+def pg_pair() -> Replicated:
+    """A PostgreSQL primary with an asynchronous standby for the ``pg-failover*`` cells,
+    started and migrated (the lab's tables): the lock and the resource fail over together.
+    One per run, as etcd: each fault trial leaves it a pair again (replace_primary)."""
+    pair = Replicated(synchronous=False)
+    try:
+        pair.start()
+    except BaseException:
+        pair.close()
+        raise
+    return pair
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     migrate(args.postgres)
@@ -106,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, float] = {}
     notes: list[str] = []
     etcd: EtcdCluster | None = None
+    pair: Replicated | None = None  # the PostgreSQL failover scenarios' (one per run)
+    pair_resource: Resource | None = None
     try:
         if "etcd" in args.contenders:
             etcd = EtcdCluster()
@@ -118,13 +162,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     nodes = redis_nodes(contender, scenario)
                     if nodes:
                         nodes.start()
+                    if scenario in PG_VARIANTS and pair is None:
+                        pair = pg_pair()
+                        pair_resource = Resource(pair.url())
                 except Unavailable as why:
                     notes.append(f"{contender} × {scenario} not run: {why}")
                     continue
                 try:
                     began = time.monotonic()
-                    cells.extend(run_cell(contender, scenario, Servers(nodes, etcd),
-                                          args.postgres, args.trials, args.ttl, resource))
+                    on_pair = scenario in PG_VARIANTS
+                    follow = PG_VARIANTS.get(scenario, (True, False))[0]
+                    servers = Servers(nodes, etcd, pair if on_pair else None, scenario, follow)
+                    cells.extend(run_cell(contender, scenario, servers, args.postgres,
+                                          args.trials, args.ttl,
+                                          pair_resource if on_pair else resource))
                     print(f"  {contender} × {scenario}: {args.trials} trial(s) with the fault"
                           f" off and on, {time.monotonic() - began:.1f} s", file=sys.stderr,
                           flush=True)
@@ -144,6 +195,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if etcd is not None:
             etcd.stop()
+        if pair_resource is not None:
+            pair_resource.close()
+        if pair is not None:
+            pair.close()
     return {
         "command": "scripts/compare " + " ".join(sys.argv[1:]),
         "trials": args.trials, "ttl": args.ttl, "seconds": round(time.monotonic() - started, 1),

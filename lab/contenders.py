@@ -251,6 +251,26 @@ class EtcdLock(Contender):
             return bool(cursor.rowcount == 1)
 
 
+RECONNECT = 60.0  # seconds a distlock client keeps trying to reach a primary again
+
+
+def reconnecting(operation: Callable[[], T], deadline: float) -> T:
+    """``operation()``, again on a fresh connection while the database cannot be reached
+    (its primary died, the promoted standby still refuses the application), until
+    ``deadline`` (monotonic). What an application's retry does in the PostgreSQL failover
+    scenarios; elsewhere the first try succeeds."""
+    from django.db import InterfaceError, OperationalError, connection
+
+    while True:
+        try:
+            return operation()
+        except (OperationalError, InterfaceError):
+            connection.close()  # Django does not reopen a broken connection by itself
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(POLL * 5)
+
+
 class Distlock(Contender):
     """distlock's ``acquire`` on PostgreSQL; the writes ignore the lease (the lock alone)."""
 
@@ -262,14 +282,23 @@ class Distlock(Contender):
     def acquire(self, ttl: float, timeout: float) -> Any:
         import distlock
 
-        if timeout > 0:
-            self.lease = distlock.acquire(LOCK_NAME, ttl=ttl, timeout=timeout)
-        else:
-            self.lease = distlock.acquire(LOCK_NAME, ttl=ttl, blocking=False)
+        deadline = time.monotonic() + max(timeout, RECONNECT)
+        end = time.monotonic() + timeout
+
+        def attempt() -> Any:
+            left = end - time.monotonic()
+            if left > 0:
+                return distlock.acquire(LOCK_NAME, ttl=ttl, timeout=left)
+            return distlock.acquire(LOCK_NAME, ttl=ttl, blocking=False)
+
+        self.lease = reconnecting(attempt, deadline)
         return None if self.lease is None else int(self.lease.token)
 
     def release(self) -> bool:
-        return bool(self.lease.release())
+        return bool(reconnecting(self.lease.release, time.monotonic() + RECONNECT))
+
+    def write(self, key: str, value: int) -> bool:
+        return reconnecting(lambda: plain_write(key, value), time.monotonic() + RECONNECT)
 
 
 class DistlockFenced(Distlock):
@@ -282,13 +311,16 @@ class DistlockFenced(Distlock):
     def write(self, key: str, value: int) -> bool:
         from distlock import StaleToken
 
-        cell = Cell.objects.get(pk=key)
-        cell.value = value
-        try:
-            cell.save(fence=self.lease)
-        except StaleToken:
-            return False
-        return True
+        def fenced() -> bool:
+            cell = Cell.objects.get(pk=key)
+            cell.value = value
+            try:
+                cell.save(fence=self.lease)
+            except StaleToken:
+                return False
+            return True
+
+        return reconnecting(fenced, time.monotonic() + RECONNECT)
 
 
 def make(name: str, config: dict[str, Any]) -> Contender:

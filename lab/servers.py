@@ -33,8 +33,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def wait_until(condition: object, timeout: float, what: str) -> None:
-    """Poll ``condition()`` until it is true, or raise TimeoutError naming ``what``."""
+def wait_until(condition: object, timeout: float, what: str, every: float = 0.05) -> None:
+    """Poll ``condition()`` every ``every`` s until it is true, or raise TimeoutError
+    naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -44,7 +45,7 @@ def wait_until(condition: object, timeout: float, what: str) -> None:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout:g} s")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 @dataclass
