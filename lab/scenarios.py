@@ -133,6 +133,9 @@ class Fault:
     """A scenario's fault. ``before``/``granted`` run in control trials too."""
 
     heals = False  # whether heal() undoes something (the timeline marks it then)
+    # With the fault on, how long B asks for the lock (None: until A's pause ttl has run
+    # out four times over): a fault the lock should survive needs no longer than that.
+    ask: float | None = None
 
     def __init__(self, servers: Servers, a: Client) -> None:
         self.servers, self.a = servers, a
@@ -326,17 +329,51 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+class EtcdMemberLoss(Fault):
+    """The etcd member the clients talk to, made the cluster's leader just before A's grant
+    (etcd's leadership transfer), is SIGKILLed while A holds (``etcd-member``).
+
+    The worst single member to lose: the leader, so the other two elect another, and the
+    clients' own endpoint, so they go on through the next one. A's lease (30 s) outlives
+    the trial: B asks for ``ask`` seconds, past the new election (1 s election timeout,
+    which the driver waits for), and must not be granted. The member comes back with its
+    data after the trial.
+    """
+
+    ask = 5.0
+
+    def cluster(self) -> EtcdCluster:
+        assert self.servers.etcd is not None
+        return self.servers.etcd
+
+    def before(self) -> None:
+        self.cluster().lead(0)
+
+    def strike(self) -> None:
+        """The kill, and a new leader among the other two before B's ask is judged: a B
+        refused by a cluster with no leader would say nothing about the lock."""
+        cluster = self.cluster()
+        cluster.kill(0)
+        wait_for(lambda: cluster.leader() > 0, 10, "the other etcd members to elect a leader")
+
+    def clean(self) -> None:
+        if self.cluster().members[0].process is None:
+            self.cluster().start_again(0)
+
+
 # The PostgreSQL failover's variants: scenario → (DISTLOCK_FOLLOW_TIMELINE, operator step).
 PG_VARIANTS = {"pg-failover": (True, False), "pg-failover-step": (False, True),
                "pg-failover-nostep": (False, False)}
 FAULTS: dict[str, type[Fault]] = {"pause": Pause, "untouched": Pause, "restart": Restart,
                                   "clock": Clock, "failover": Failover,
+                                  "etcd-member": EtcdMemberLoss,
                                   **dict.fromkeys(PG_VARIANTS, PgFailover)}
 CONTENDERS = ("redis", "redlock", "etcd", "distlock", "distlock-fenced")
-SCENARIOS = ("pause", "untouched", "restart", "clock", "failover", *PG_VARIANTS)
+SCENARIOS = ("pause", "untouched", "restart", "clock", "failover", *PG_VARIANTS,
+             "etcd-member")
 # What each scenario is about, and whom: a Redis restart, clock or failover is no fault of
-# etcd or PostgreSQL, and a PostgreSQL failover none of Redis or etcd (their own
-# counterparts — an etcd member lost, a partition — are not in the lab yet).
+# etcd or PostgreSQL, a PostgreSQL failover none of Redis or etcd, an etcd member lost
+# none of the others (a network partition of the holder is not in the lab yet).
 APPLIES = {
     "pause": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
     "untouched": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
@@ -344,6 +381,7 @@ APPLIES = {
     "clock": ("redis", "redlock"),
     "failover": ("redis",),
     **dict.fromkeys(PG_VARIANTS, ("distlock", "distlock-fenced")),
+    "etcd-member": ("etcd",),
 }
 
 
@@ -399,7 +437,7 @@ def run_trial(a: Client, b: Client, fault: Fault, *, on: bool, scenario: str, tt
         raise HarnessError("A was not granted a free lock")
     fault.granted()
     value_a = record(a, a.call("read", key=rows[0]), key=rows[0])
-    wait_b = ttl * 4 + 10
+    wait_b = fault.ask if on and fault.ask is not None else ttl * 4 + 10
     b.send("acquire", ttl=ttl, timeout=wait_b)
     if on:
         mark("fault")
