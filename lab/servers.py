@@ -183,9 +183,12 @@ class EtcdCluster:
         """The index of the cluster's leader as the first running member sees it; -1 while
         it knows none (an election)."""
         asked = next(i for i, m in enumerate(self.members) if m.process is not None)
-        leader = self.maintenance(asked, "status", {})["leader"]
-        return next((i for i in range(self.size) if self.members[i].process is not None
-                     and self.member_id(i) == leader), -1)
+        try:
+            leader = self.maintenance(asked, "status", {}).get("leader")  # absent: none
+            return next((i for i in range(self.size) if self.members[i].process is not None
+                         and self.member_id(i) == leader), -1)
+        except OSError:  # a member busy with the election does not answer in time
+            return -1
 
     def lead(self, index: int) -> None:
         """Member ``index`` made the leader (etcd's leadership transfer), once it is."""
