@@ -192,6 +192,7 @@ class EtcdCluster:
 
     def lead(self, index: int) -> None:
         """Member ``index`` made the leader (etcd's leadership transfer), once it is."""
+        wait_until(lambda: self.leader() >= 0, 30, "an etcd leader")
         current = self.leader()
         if current != index:
             self.maintenance(current, "transfer-leadership", {"targetID": self.member_id(index)})
