@@ -162,3 +162,19 @@ def test_pg_failover_reissues_the_lost_grants_token_only_without_follow_or_step(
     assert cells["distlock-fenced pg-failover-nostep off"] == clean
     assert cells["distlock-fenced pg-failover on"] == (1, 1, 0, 1, 1, 1, 0, 0)
     assert cells["distlock-fenced pg-failover-nostep on"] == (1, 1, 0, 1, 1, 1, 0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.no_pooler("the lab's clients connect to a database of their own")
+@pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
+                    reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass")
+@pytest.mark.skipif(shutil.which("etcd") is None and os.environ.get("CI") != "true",
+                    reason="needs Debian's etcd-server")
+def test_etcd_member_loss_the_leader_the_clients_use_keeps_the_lock(tmp_path: Path) -> None:
+    """The etcd leader, which is the member the clients talk to, killed while A holds:
+    the other two elect a leader, B (asking through the next member) is not granted while
+    A's lease lasts, and A's write is accepted and not stale."""
+    cells = lab_run(tmp_path, "--contenders", "etcd", "--scenarios", "etcd-member")
+    assert cells["etcd etcd-member off"] == (1, 0, 0, 0, 2, 2, 0, 0)
+    assert cells["etcd etcd-member on"] == (1, 0, 0, 0, 1, 1, 0, 0)
