@@ -1,7 +1,8 @@
 """``scripts/compare``: run the comparison lab and print (and save) its table.
 
     scripts/compare                      # 20 trials a cell, every contender and scenario
-    scripts/compare --quick              # one trial a cell, short rates (CI)
+    scripts/compare --quick              # one trial a cell, short rates (CI); the
+                                         # pg-failover* cells for distlock-fenced only
     scripts/compare --trials 5 --contenders redis,etcd --scenarios pause --html r.html
 
 Exits 1 if a control (fault off) shows an overlap, a stale write or a lost update: then
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -21,39 +21,71 @@ from pathlib import Path
 from typing import Any
 
 from lab import report
-from lab.django_setup import create_database, database
-from lab.scenarios import APPLIES, CONTENDERS, ROOT, SCENARIOS, Cell, Servers, rate, run_cell
+from lab.django_setup import create_database, database, migrate_in_child
+from lab.pg_servers import Replicated
+from lab.scenarios import (
+    APPLIES,
+    CONTENDERS,
+    PG_VARIANTS,
+    SCENARIOS,
+    Cell,
+    Servers,
+    rate,
+    run_cell,
+)
 from lab.servers import EtcdCluster, RedisNodes, Unavailable
 
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/distlock_lab"
 
 
 class Resource:
-    """The driver's own connection to the resource rows: reset before, sum after."""
+    """The driver's own connection to the resource rows: reset before, sum after.
+
+    On a PostgreSQL pair (the failover scenarios) the primary changes: a connection that
+    died with the old one is opened again, through the pair's host list, once.
+    """
 
     def __init__(self, url: str) -> None:
+        self.entry = database(url)
+        self.conn = self.connect()
+
+    def connect(self) -> Any:
         import psycopg
 
-        entry = database(url)
-        self.conn = psycopg.connect(host=entry["HOST"], port=entry["PORT"], user=entry["USER"],
-                                    password=entry["PASSWORD"] or None, dbname=entry["NAME"],
-                                    autocommit=True)
+        entry = self.entry
+        return psycopg.connect(host=entry["HOST"], port=entry["PORT"], user=entry["USER"],
+                               password=entry["PASSWORD"] or None, dbname=entry["NAME"],
+                               autocommit=True, **entry.get("OPTIONS", {}))
+
+    def execute(self, sql: str) -> Any:
+        import psycopg
+
+        try:
+            return self.conn.execute(sql)
+        except psycopg.OperationalError:
+            self.conn.close()
+            self.conn = self.connect()
+            return self.conn.execute(sql)
 
     def reset(self) -> None:
-        self.conn.execute(
+        self.execute(
             "INSERT INTO lab_cell (key, value, fence_token) VALUES ('a', 0, 0), ('b', 0, 0) "
             "ON CONFLICT (key) DO UPDATE SET value = 0, fence_token = 0")
 
     def total(self) -> int:
-        row = self.conn.execute("SELECT coalesce(sum(value), 0) FROM lab_cell").fetchone()
+        row = self.execute("SELECT coalesce(sum(value), 0) FROM lab_cell").fetchone()
         return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="scripts/compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="one trial a cell and 1 s rates (proves the lab runs)")
+                        help="one trial a cell and 1 s rates (proves the lab runs); the "
+                        "pg-failover* scenarios for distlock-fenced only")
     parser.add_argument("--trials", type=int, help="trials per cell (default 20; --quick 1)")
     parser.add_argument("--ttl", type=float, default=2.0,
                         help="lease length in the pause scenarios, seconds (default 2)")
@@ -83,8 +115,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def migrate(url: str) -> None:
     create_database(url)
-    command = [sys.executable, "-m", "lab.worker", "--migrate", json.dumps({"postgres": url})]
-    subprocess.run(command, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    migrate_in_child(url)
 
 
 def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
@@ -98,6 +129,19 @@ def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
     return RedisNodes(size)
 
 
+def pg_pair() -> Replicated:
+    """A PostgreSQL primary with an asynchronous standby for the ``pg-failover*`` cells,
+    started and migrated (the lab's tables): the lock and the resource fail over together.
+    One per run, as etcd: each fault trial leaves it a pair again (replace_primary)."""
+    pair = Replicated(synchronous=False)
+    try:
+        pair.start()
+    except BaseException:
+        pair.close()
+        raise
+    return pair
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     migrate(args.postgres)
@@ -106,6 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, float] = {}
     notes: list[str] = []
     etcd: EtcdCluster | None = None
+    pair: Replicated | None = None  # the PostgreSQL failover scenarios' (one per run)
+    pair_resource: Resource | None = None
     try:
         if "etcd" in args.contenders:
             etcd = EtcdCluster()
@@ -114,17 +160,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for scenario in args.scenarios:
                 if contender not in APPLIES[scenario]:
                     continue
+                if args.quick and scenario in PG_VARIANTS and contender != "distlock-fenced":
+                    continue  # CI's budget: the same lock; the fenced cell also shows writes
                 try:
                     nodes = redis_nodes(contender, scenario)
                     if nodes:
                         nodes.start()
+                    if scenario in PG_VARIANTS and pair is None:
+                        pair = pg_pair()
+                        pair_resource = Resource(pair.url())
                 except Unavailable as why:
                     notes.append(f"{contender} × {scenario} not run: {why}")
                     continue
                 try:
                     began = time.monotonic()
-                    cells.extend(run_cell(contender, scenario, Servers(nodes, etcd),
-                                          args.postgres, args.trials, args.ttl, resource))
+                    on_pair = scenario in PG_VARIANTS
+                    follow = PG_VARIANTS.get(scenario, (True, False))[0]
+                    servers = Servers(nodes, etcd, pair if on_pair else None, scenario, follow)
+                    cells.extend(run_cell(contender, scenario, servers, args.postgres,
+                                          args.trials, args.ttl,
+                                          pair_resource if on_pair else resource))
                     print(f"  {contender} × {scenario}: {args.trials} trial(s) with the fault"
                           f" off and on, {time.monotonic() - began:.1f} s", file=sys.stderr,
                           flush=True)
@@ -144,6 +199,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if etcd is not None:
             etcd.stop()
+        if pair_resource is not None:
+            pair_resource.close()
+        if pair is not None:
+            pair.close()
     return {
         "command": "scripts/compare " + " ".join(sys.argv[1:]),
         "trials": args.trials, "ttl": args.ttl, "seconds": round(time.monotonic() - started, 1),

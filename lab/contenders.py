@@ -20,6 +20,7 @@ import http.client
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from lab.models import LOCK_NAME, Cell
 
 T = TypeVar("T")
 POLL = 0.01  # seconds between two tries of a blocking acquire
+ETCD_RETRY = 15.0  # seconds an etcd call is tried again through an election or a lost member
 
 
 def read(key: str) -> int:
@@ -189,29 +191,47 @@ class EtcdLock(Contender):
     KEY = base64.b64encode(LOCK_NAME.encode()).decode()
 
     def __init__(self, endpoints: list[str]) -> None:
-        host, port = endpoints[0].rsplit(":", 1)
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        self.endpoints = endpoints
+        self.at = 0  # the member this client talks to: endpoints[0] until it is lost
+        self.conn = self.connect()
         self.lease = 0
         self.token = 0
 
+    def connect(self) -> http.client.HTTPConnection:
+        host, port = self.endpoints[self.at].rsplit(":", 1)
+        return http.client.HTTPConnection(host, int(port), timeout=10)
+
     def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        for attempt in range(2):
+        """One gateway call. A dropped keep-alive connection is opened again; a member that
+        cannot be reached (the lab's etcd-member scenario kills it) is left for the next
+        endpoint, as etcd's clients do; an answer of "no leader yet" (an election) is asked
+        again; for up to ETCD_RETRY seconds."""
+        deadline = time.monotonic() + ETCD_RETRY
+        while True:
             try:
                 self.conn.request("POST", path, json.dumps(body),
                                   {"Content-Type": "application/json"})
                 answer = self.conn.getresponse()
                 data: dict[str, Any] = json.loads(answer.read() or b"{}")
-                if answer.status != 200:
+                if answer.status == 200:
+                    return data
+                if answer.status < 500 or time.monotonic() >= deadline:
                     raise RuntimeError(f"etcd {path}: {answer.status} {data}")
-                return data
-            except (http.client.HTTPException, ConnectionError):
-                self.conn.close()  # a dropped keep-alive connection: once more, anew
-                if attempt:
+            except (http.client.HTTPException, ConnectionError, TimeoutError):
+                self.conn.close()
+                if time.monotonic() >= deadline:
                     raise
-        raise AssertionError("unreachable")
+                if isinstance(sys.exc_info()[1], ConnectionRefusedError):
+                    self.at = (self.at + 1) % len(self.endpoints)
+                    self.conn = self.connect()
+            time.sleep(POLL)
 
     def acquire(self, ttl: float, timeout: float) -> Any:
         seconds = max(1, math.ceil(ttl))
+        if self.at != 0:  # back to the first member (the etcd-member scenario restarted it)
+            self.conn.close()
+            self.at = 0
+            self.conn = self.connect()
 
         def attempt() -> int | None:
             lease = int(self.call("/v3/lease/grant", {"TTL": seconds})["ID"])
@@ -251,6 +271,26 @@ class EtcdLock(Contender):
             return bool(cursor.rowcount == 1)
 
 
+RECONNECT = 60.0  # seconds a distlock client keeps trying to reach a primary again
+
+
+def reconnecting(operation: Callable[[], T], deadline: float) -> T:
+    """``operation()``, again on a fresh connection while the database cannot be reached
+    (its primary died, the promoted standby still refuses the application), until
+    ``deadline`` (monotonic). What an application's retry does in the PostgreSQL failover
+    scenarios; elsewhere the first try succeeds."""
+    from django.db import InterfaceError, OperationalError, connection
+
+    while True:
+        try:
+            return operation()
+        except (OperationalError, InterfaceError):
+            connection.close()  # Django does not reopen a broken connection by itself
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(POLL * 5)
+
+
 class Distlock(Contender):
     """distlock's ``acquire`` on PostgreSQL; the writes ignore the lease (the lock alone)."""
 
@@ -262,14 +302,23 @@ class Distlock(Contender):
     def acquire(self, ttl: float, timeout: float) -> Any:
         import distlock
 
-        if timeout > 0:
-            self.lease = distlock.acquire(LOCK_NAME, ttl=ttl, timeout=timeout)
-        else:
-            self.lease = distlock.acquire(LOCK_NAME, ttl=ttl, blocking=False)
+        deadline = time.monotonic() + max(timeout, RECONNECT)
+        end = time.monotonic() + timeout
+
+        def attempt() -> Any:
+            left = end - time.monotonic()
+            if left > 0:
+                return distlock.acquire(LOCK_NAME, ttl=ttl, timeout=left)
+            return distlock.acquire(LOCK_NAME, ttl=ttl, blocking=False)
+
+        self.lease = reconnecting(attempt, deadline)
         return None if self.lease is None else int(self.lease.token)
 
     def release(self) -> bool:
-        return bool(self.lease.release())
+        return bool(reconnecting(self.lease.release, time.monotonic() + RECONNECT))
+
+    def write(self, key: str, value: int) -> bool:
+        return reconnecting(lambda: plain_write(key, value), time.monotonic() + RECONNECT)
 
 
 class DistlockFenced(Distlock):
@@ -282,13 +331,16 @@ class DistlockFenced(Distlock):
     def write(self, key: str, value: int) -> bool:
         from distlock import StaleToken
 
-        cell = Cell.objects.get(pk=key)
-        cell.value = value
-        try:
-            cell.save(fence=self.lease)
-        except StaleToken:
-            return False
-        return True
+        def fenced() -> bool:
+            cell = Cell.objects.get(pk=key)
+            cell.value = value
+            try:
+                cell.save(fence=self.lease)
+            except StaleToken:
+                return False
+            return True
+
+        return reconnecting(fenced, time.monotonic() + RECONNECT)
 
 
 def make(name: str, config: dict[str, Any]) -> Contender:

@@ -12,23 +12,26 @@ import html as escape
 from typing import Any
 
 COLUMNS = ("contender", "scenario", "fault", "trials", "overlapping", "stale accepted",
-           "stale refused", "increments accepted", "counter total", "lost updates")
+           "stale refused", "increments accepted", "counter total", "lost updates",
+           "tokens again")
 KEYS = ("trials", "overlapping", "stale_accepted", "stale_refused", "increments", "total",
-        "lost")
+        "lost", "reissued")
 
 
 def rows(results: dict[str, Any]) -> list[list[str]]:
     return [[cell["contender"], cell["scenario"], "on" if cell["fault"] else "off (control)",
-             *(str(cell[key]) for key in KEYS)] for cell in results["cells"]]
+             *(str(cell.get(key, 0)) for key in KEYS)] for cell in results["cells"]]
 
 
 def broken_controls(results: dict[str, Any]) -> list[str]:
-    """Control cells with an overlap, a stale write or a lost update (must be none)."""
+    """Control cells with an overlap, a stale write, a lost update or a token issued again
+    (must be none). Results from before the tokens were counted have none."""
     return [f"{cell['contender']} × {cell['scenario']}: {cell['overlapping']} overlapping, "
-            f"{cell['stale_accepted'] + cell['stale_refused']} stale, {cell['lost']} lost"
+            f"{cell['stale_accepted'] + cell['stale_refused']} stale, {cell['lost']} lost, "
+            f"{cell.get('reissued', 0)} tokens again"
             for cell in results["cells"] if not cell["fault"]
             and (cell["overlapping"] or cell["stale_accepted"] or cell["stale_refused"]
-                 or cell["lost"])]
+                 or cell["lost"] or cell.get("reissued", 0))]
 
 
 def text(results: dict[str, Any]) -> str:
@@ -114,7 +117,8 @@ def html(results: dict[str, Any]) -> str:
     for cell, row in zip(results["cells"], rows(results), strict=True):
         tds = []
         for column, value in zip(COLUMNS, row, strict=True):
-            bad = value not in ("0", "") and column in ("stale accepted", "lost updates")
+            bad = value not in ("0", "") and column in ("stale accepted", "lost updates",
+                                                            "tokens again")
             tds.append(f'<td class="{"bad" if bad else ""}">{escape.escape(value)}</td>')
         body.append(f'<tr class="{"on" if cell["fault"] else "off"}">{"".join(tds)}</tr>')
     rates = "".join(f"<tr><td>{escape.escape(name)}</td><td>{value:.0f}</td></tr>"
@@ -141,7 +145,8 @@ figure {{ margin: 1.5em 0; }} figcaption {{ font-weight: bold; }}
 <h1>distlock comparison lab</h1>
 <p>Command: <code>{escape.escape(results["command"])}</code>, {results["trials"]} trial(s) per
 cell, pause ttl {results["ttl"]:g} s, {results["seconds"]:g} s in all. Each row with the fault
-off is the control: the same harness, whose overlaps, stale writes and lost updates must be 0.</p>
+off is the control: the same harness, whose overlaps, stale writes, lost updates and tokens
+issued again must be 0.</p>
 <table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>
 {notes}
 <h2>Acquire + release per second (uncontended, one client process)</h2>

@@ -13,7 +13,8 @@ The measures are read from one history of both clients' operations on the machin
 monotonic clock (lab/worker.py) and from the rows at the end: overlapping critical
 sections (grant to release, or to the last write after it), stale writes (a write by a
 client after another client was granted the lock since its own grant) accepted or refused,
-increments accepted, the counter total and the lost updates (accepted minus total).
+increments accepted, the counter total and the lost updates (accepted minus total), and
+the tokens issued again (a grant's token not above an earlier grant's in the trial).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.pg_servers import DATABASE, Replicated
 from lab.servers import EtcdCluster, RedisNodes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,10 +105,14 @@ class Client:
 
 @dataclass
 class Servers:
-    """What a contender needs running: Redis nodes (per cell) and etcd (per run)."""
+    """What a contender needs running: Redis nodes and a PostgreSQL pair (per cell), etcd
+    (per run)."""
 
     redis: RedisNodes | None = None
     etcd: EtcdCluster | None = None
+    pg: Replicated | None = None
+    scenario: str = ""
+    follow: bool = True  # DISTLOCK_FOLLOW_TIMELINE of the distlock clients
 
     @property
     def master_file(self) -> Path | None:
@@ -115,7 +121,8 @@ class Servers:
 
     def config(self, postgres: str) -> dict[str, Any]:
         return {
-            "postgres": postgres,
+            "postgres": self.pg.url() if self.pg else postgres,
+            "follow": self.follow,
             "redis_master_file": str(self.master_file or ""),
             "redis_ports": self.redis.ports if self.redis else [],
             "etcd_endpoints": self.etcd.endpoints if self.etcd else [],
@@ -126,6 +133,9 @@ class Fault:
     """A scenario's fault. ``before``/``granted`` run in control trials too."""
 
     heals = False  # whether heal() undoes something (the timeline marks it then)
+    # With the fault on, how long B asks for the lock (None: until A's pause ttl has run
+    # out four times over): a fault the lock should survive needs no longer than that.
+    ask: float | None = None
 
     def __init__(self, servers: Servers, a: Client) -> None:
         self.servers, self.a = servers, a
@@ -255,19 +265,123 @@ class Failover(Fault):
         partial.rename(self.servers.master_file)
 
 
+class PgFailover(Fault):
+    """The PostgreSQL primary dies; its asynchronous standby, which had not received A's
+    grant, is promoted, and the clients go on against it (``pg-failover*``).
+
+    As in :class:`Failover`, the lost grant is made certain rather than lucky: the standby
+    has replayed everything, then its WAL receiver is stopped just before A's grant
+    (lab.pg_servers.Replicated.cut_replication), so the primary acknowledges A's grant and
+    the standby never has it. On the fault the primary is crashed (``pg_ctl stop -m
+    immediate``) and the standby promoted; the clients' libpq host list (read-write) finds
+    it. The three variants (:data:`PG_VARIANTS`): the timeline follow on (distlock's
+    default, no operator step); the follow off with ``manage.py distlock_failover`` run by
+    the operator on the promoted server while it still refuses the application (pg_hba);
+    the follow off with no step, the control that shows the hazard: A's token is issued
+    again to B. Without the fault the primary lives and the standby catches up again.
+    """
+
+    heals = False
+
+    def pair(self) -> Replicated:
+        assert self.servers.pg is not None
+        return self.servers.pg
+
+    def before(self) -> None:
+        pair = self.pair()
+        wait_for(lambda: pair.lag() == 0, 30, "the standby to replay all the primary's WAL")
+        pair.cut_replication()
+
+    def strike(self) -> None:
+        pair, step = self.pair(), PG_VARIANTS[self.servers.scenario][1]
+        assert pair.standby is not None
+        if step:  # the runbook: the application cannot reach the server until the step ran
+            pair.standby.refuse_tcp()
+        pair.primary.crash()
+        pair.promote()
+        if step:
+            standby = pair.standby
+            socket = str(standby.dir).replace("/", "%2F")
+            url = f"postgresql://postgres@{socket}:{standby.port}/{DATABASE}"
+            done = subprocess.run(
+                [sys.executable, "-m", "lab.worker", "--failover",
+                 json.dumps({"postgres": url, "follow": False})],
+                cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                text=True, timeout=120)
+            if done.returncode != 0:
+                raise HarnessError(f"distlock_failover failed: {done.stdout}{done.stderr}")
+            standby.accept_tcp()
+
+    def clean(self) -> None:
+        pair = self.pair()
+        if pair.primary.data.joinpath("postmaster.pid").exists():
+            pair.resume_replication()  # fault off: the primary lives, the standby streams
+        else:
+            pair.replace_primary()  # a new standby from the promoted one, on the old port
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """``condition()`` polled until true; HarnessError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise HarnessError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.02)
+
+
+class EtcdMemberLoss(Fault):
+    """The etcd member the clients talk to, made the cluster's leader just before A's grant
+    (etcd's leadership transfer), is SIGKILLed while A holds (``etcd-member``).
+
+    The worst single member to lose: the leader, so the other two elect another, and the
+    clients' own endpoint, so they go on through the next one. A's lease (30 s) outlives
+    the trial: B asks for ``ask`` seconds, past the new election (1 s election timeout,
+    which the driver waits for), and must not be granted. The member comes back with its
+    data after the trial.
+    """
+
+    ask = 5.0
+
+    def cluster(self) -> EtcdCluster:
+        assert self.servers.etcd is not None
+        return self.servers.etcd
+
+    def before(self) -> None:
+        self.cluster().lead(0)
+
+    def strike(self) -> None:
+        """The kill, and a new leader among the other two before B's ask is judged: a B
+        refused by a cluster with no leader would say nothing about the lock."""
+        cluster = self.cluster()
+        cluster.kill(0)
+        wait_for(lambda: cluster.leader() > 0, 10, "the other etcd members to elect a leader")
+
+    def clean(self) -> None:
+        if self.cluster().members[0].process is None:
+            self.cluster().start_again(0)
+
+
+# The PostgreSQL failover's variants: scenario → (DISTLOCK_FOLLOW_TIMELINE, operator step).
+PG_VARIANTS = {"pg-failover": (True, False), "pg-failover-step": (False, True),
+               "pg-failover-nostep": (False, False)}
 FAULTS: dict[str, type[Fault]] = {"pause": Pause, "untouched": Pause, "restart": Restart,
-                                  "clock": Clock, "failover": Failover}
+                                  "clock": Clock, "failover": Failover,
+                                  "etcd-member": EtcdMemberLoss,
+                                  **dict.fromkeys(PG_VARIANTS, PgFailover)}
 CONTENDERS = ("redis", "redlock", "etcd", "distlock", "distlock-fenced")
-SCENARIOS = ("pause", "untouched", "restart", "clock", "failover")
+SCENARIOS = ("pause", "untouched", "restart", "clock", "failover", *PG_VARIANTS,
+             "etcd-member")
 # What each scenario is about, and whom: a Redis restart, clock or failover is no fault of
-# etcd or PostgreSQL (their own counterparts — an etcd member or a PostgreSQL primary lost,
-# a partition — are not in the lab yet).
+# etcd or PostgreSQL, a PostgreSQL failover none of Redis or etcd, an etcd member lost
+# none of the others (a network partition of the holder is not in the lab yet).
 APPLIES = {
     "pause": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
     "untouched": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
     "restart": ("redis", "redlock"),
     "clock": ("redis", "redlock"),
     "failover": ("redis",),
+    **dict.fromkeys(PG_VARIANTS, ("distlock", "distlock-fenced")),
+    "etcd-member": ("etcd",),
 }
 
 
@@ -294,6 +408,7 @@ class Trial:
     stale_refused: int = 0
     increments: int = 0
     total: int = 0
+    reissued: int = 0
 
     @property
     def lost(self) -> int:
@@ -322,7 +437,7 @@ def run_trial(a: Client, b: Client, fault: Fault, *, on: bool, scenario: str, tt
         raise HarnessError("A was not granted a free lock")
     fault.granted()
     value_a = record(a, a.call("read", key=rows[0]), key=rows[0])
-    wait_b = ttl * 4 + 10
+    wait_b = fault.ask if on and fault.ask is not None else ttl * 4 + 10
     b.send("acquire", ttl=ttl, timeout=wait_b)
     if on:
         mark("fault")
@@ -375,6 +490,22 @@ def measure(trial: Trial, total: int) -> None:
             else:
                 trial.stale_refused += 1
     trial.total = total
+    trial.reissued = reissued(trial.events)
+
+
+def reissued(events: list[Event]) -> int:
+    """Grants whose token is not above every token granted before them in the trial: a
+    token issued again (fencing tokens must only grow). Only whole-number tokens count
+    (etcd's revisions, distlock's tokens); Redis and Redlock's are random, not ordered."""
+    top, again = None, 0
+    for event in sorted(events, key=lambda e: e.t1):
+        token = event.result
+        if event.op != "acquire" or isinstance(token, bool) or not isinstance(token, int):
+            continue
+        if top is not None and token <= top:
+            again += 1
+        top = token if top is None else max(top, token)
+    return again
 
 
 @dataclass
@@ -391,10 +522,12 @@ class Cell:
     increments: int = 0
     total: int = 0
     lost: int = 0
+    reissued: int = 0
     timeline: dict[str, Any] | None = None
 
     def add(self, trial: Trial) -> None:
         self.trials += 1
+        self.reissued += trial.reissued
         self.overlapping += trial.overlapping
         self.stale_accepted += trial.stale_accepted
         self.stale_refused += trial.stale_refused

@@ -9,6 +9,7 @@ contender both start one here, so there is one way to run etcd in the project.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 
 class Unavailable(RuntimeError):
@@ -33,8 +35,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def wait_until(condition: object, timeout: float, what: str) -> None:
-    """Poll ``condition()`` until it is true, or raise TimeoutError naming ``what``."""
+def wait_until(condition: object, timeout: float, what: str, every: float = 0.05) -> None:
+    """Poll ``condition()`` every ``every`` s until it is true, or raise TimeoutError
+    naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -44,7 +47,7 @@ def wait_until(condition: object, timeout: float, what: str) -> None:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout:g} s")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 @dataclass
@@ -163,6 +166,37 @@ class EtcdCluster:
         self.start_member(index)
         wait_until(self.members[index].healthy, 60,
                    f"etcd member {self.members[index].name} healthy again")
+
+    def maintenance(self, index: int, call: str, body: dict[str, str]) -> dict[str, Any]:
+        """POST ``/v3/maintenance/CALL`` to member ``index`` (etcd's JSON gateway)."""
+        request = urllib.request.Request(
+            f"{self.members[index].client_url}/v3/maintenance/{call}", json.dumps(body).encode(),
+            {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            found: dict[str, Any] = json.loads(answer.read())
+            return found
+
+    def member_id(self, index: int) -> str:
+        return str(self.maintenance(index, "status", {})["header"]["member_id"])
+
+    def leader(self) -> int:
+        """The index of the cluster's leader as the first running member sees it; -1 while
+        it knows none (an election)."""
+        asked = next(i for i, m in enumerate(self.members) if m.process is not None)
+        try:
+            leader = self.maintenance(asked, "status", {}).get("leader")  # absent: none
+            return next((i for i in range(self.size) if self.members[i].process is not None
+                         and self.member_id(i) == leader), -1)
+        except OSError:  # a member busy with the election does not answer in time
+            return -1
+
+    def lead(self, index: int) -> None:
+        """Member ``index`` made the leader (etcd's leadership transfer), once it is."""
+        wait_until(lambda: self.leader() >= 0, 30, "an etcd leader")
+        current = self.leader()
+        if current != index:
+            self.maintenance(current, "transfer-leadership", {"targetID": self.member_id(index)})
+        wait_until(lambda: self.leader() == index, 30, f"etcd member m{index} to lead")
 
     def stop(self) -> None:
         """Every member stopped by its PID (SIGTERM, then SIGKILL), the folder removed."""

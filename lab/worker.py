@@ -2,6 +2,7 @@
 
     python -m lab.worker CONTENDER CONFIG_JSON     # one JSON command a line, one answer a line
     python -m lab.worker --migrate CONFIG_JSON     # the lab database's tables, then exit
+    python -m lab.worker --failover CONFIG_JSON    # manage.py distlock_failover there
 
 Every answer carries ``t0``/``t1``: ``time.monotonic()`` at the start and the end of the
 operation. On Linux that clock is the machine's, one for all processes, so the driver can
@@ -78,9 +79,14 @@ def main(argv: list[str]) -> None:
     name, config = argv[0], json.loads(argv[1])
     # distlock warns of each lost lock; in the lab that is the point, counted in the table.
     logging.getLogger("distlock").setLevel(logging.ERROR)
-    django_setup.setup(config["postgres"])
+    django_setup.setup(config["postgres"], follow=config.get("follow", True))
     if name == "--migrate":
         django_setup.migrate()
+        return
+    if name == "--failover":
+        from django.core.management import call_command
+
+        call_command("distlock_failover")  # the operator's step (docs/deployment.md)
         return
     serve(name, config)
 

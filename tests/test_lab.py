@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from lab.report import broken_controls, html, text
-from lab.scenarios import Event, Trial, measure
+from lab.scenarios import Event, Trial, measure, reissued
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = os.environ.get("DISTLOCK_TEST_DB_SUFFIX", "")
@@ -56,6 +56,30 @@ def test_one_holder_after_the_other_is_no_overlap_and_no_stale_write() -> None:
     measure(control, total=2)
     assert (control.overlapping, control.stale_accepted, control.stale_refused,
             control.lost) == (False, 0, 0, 0)
+
+
+def test_a_token_not_above_an_earlier_grants_is_counted_issued_again() -> None:
+    again = history(("A", "acquire", 0, 41), ("B", "acquire", 0.2, 41),
+                    ("B", "write", 0.3, True), ("A", "write", 0.4, True))
+    measure(again, total=1)
+    assert again.reissued == 1
+    raised = history(("A", "acquire", 0, 41), ("B", "acquire", 0.2, 1_000_000_041))
+    lower = history(("A", "acquire", 0, 41), ("B", "acquire", 0.2, 7))
+    assert (reissued(raised.events), reissued(lower.events)) == (0, 1)
+    # Redis and Redlock tokens are random text, and a refused ask (None) is no grant.
+    texts = history(("A", "acquire", 0, "f00"), ("B", "acquire", 0.2, "a11"),
+                    ("B", "acquire", 0.3, None))
+    assert reissued(texts.events) == 0
+
+
+def test_a_control_with_a_token_issued_again_is_a_broken_control() -> None:
+    cell = {"contender": "distlock", "scenario": "pg-failover", "fault": False, "trials": 1,
+            "overlapping": 0, "stale_accepted": 0, "stale_refused": 0, "increments": 2,
+            "total": 2, "lost": 0, "reissued": 1, "timeline": None}
+    results = {"cells": [cell], "rates": {}, "notes": [], "command": "x", "seconds": 1}
+    assert broken_controls(results) == ["distlock × pg-failover: 0 overlapping, 0 stale, "
+                                        "0 lost, 1 tokens again"]
+    assert broken_controls({**results, "cells": [{**cell, "reissued": 0}]}) == []
 
 
 def lab_database() -> str:
@@ -99,3 +123,58 @@ def test_pause_redis_accepts_the_stale_write_and_distlock_fenced_refuses_it(
     assert "redis            pause     on             1       1            1" in table
     page = html(results)
     assert page.count("<svg") == 2 and 'class="bad"' in page
+
+
+def lab_run(tmp_path: Path, *args: str) -> dict[str, tuple[int, ...]]:
+    """``python -m lab.compare ARGS`` (one trial, no rates) on a database of this test run;
+    each cell's columns by "contender scenario on|off"."""
+    results_file = tmp_path / "results.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "lab.compare", "--trials", "1", "--rate-seconds", "0",
+         "--postgres", lab_database(), "--json", str(results_file), *args],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(results_file.read_text())
+    assert broken_controls(results) == []
+    columns = ("trials", "overlapping", "stale_accepted", "stale_refused", "increments", "total",
+               "lost", "reissued")
+    return {f"{c['contender']} {c['scenario']} {'on' if c['fault'] else 'off'}":
+            tuple(c[column] for column in columns) for c in results["cells"]}
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.no_pooler("the lab runs its own PostgreSQL primary and standby")
+@pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
+                    reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass")
+def test_pg_failover_reissues_the_lost_grants_token_only_without_follow_or_step(
+        tmp_path: Path) -> None:
+    """A grant the standby never received, then the primary's crash and the standby's
+    promotion: B is granted A's token again only with neither the timeline follow nor the
+    operator step; A's stale fenced write is refused in every variant (the lost grant's
+    lock row is lost with it, and B's is there); the controls are clean."""
+    cells = lab_run(tmp_path, "--contenders", "distlock-fenced", "--scenarios",
+                    "pg-failover,pg-failover-nostep")
+    clean = (1, 0, 0, 0, 2, 2, 0, 0)
+    assert cells["distlock-fenced pg-failover off"] == clean
+    assert cells["distlock-fenced pg-failover-nostep off"] == clean
+    assert cells["distlock-fenced pg-failover on"] == (1, 1, 0, 1, 1, 1, 0, 0)
+    assert cells["distlock-fenced pg-failover-nostep on"] == (1, 1, 0, 1, 1, 1, 0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.no_pooler("the lab's clients connect to a database of their own")
+@pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
+                    reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass")
+@pytest.mark.skipif(shutil.which("etcd") is None and os.environ.get("CI") != "true",
+                    reason="needs Debian's etcd-server")
+def test_etcd_member_loss_the_leader_the_clients_use_keeps_the_lock(tmp_path: Path) -> None:
+    """The etcd leader, which is the member the clients talk to, killed while A holds:
+    the other two elect a leader, B (asking through the next member) is not granted while
+    A's lease lasts, and A's write is accepted and not stale."""
+    cells = lab_run(tmp_path, "--contenders", "etcd", "--scenarios", "etcd-member")
+    assert cells["etcd etcd-member off"] == (1, 0, 0, 0, 2, 2, 0, 0)
+    assert cells["etcd etcd-member on"] == (1, 0, 0, 0, 1, 1, 0, 0)
