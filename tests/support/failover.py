@@ -56,6 +56,9 @@ class Analysis:
     lost_renewals: int = 0
     lost_writes: int = 0
     reissued: int = 0
+    #: Grants, renewals and writes a client was told NotReplicated for (a cancelled wait
+    #: for the synchronous standby): not acknowledged, so never counted as lost.
+    not_replicated: int = 0
     #: The longest time between two acknowledged grants around the fault (seconds).
     unavailable: float = 0.0
     max_before: dict[str, int] = field(default_factory=dict)
@@ -73,12 +76,19 @@ class Analysis:
             f"{self.before} ({self.unreplicated} after the standby stopped receiving), "
             f"after the promotion={self.after}; lost (acknowledged, not on the "
             f"new primary): grants={self.lost_grants} renewals={self.lost_renewals} "
-            f"writes={self.lost_writes}; tokens issued again={self.reissued}; "
+            f"writes={self.lost_writes}; NotReplicated={self.not_replicated}; "
+            f"tokens issued again={self.reissued}; "
             f"WAL the standby lacked={outcome.lag_bytes} B; per lock, highest token before / "
             f"lowest after: {self.tokens()}; no grant acknowledged for "
             f"{self.unavailable:.1f} s"
             f"\n  history: {self.report.summary()}"
         )
+
+
+def told_not_replicated(event: dict[str, Any]) -> bool:
+    """Whether a client was told NotReplicated for this operation (tests/support/
+    stress_workers.py: status ``not_replicated``, or an indeterminate write marked so)."""
+    return event.get("status") == "not_replicated" or bool(event.get("not_replicated"))
 
 
 def acknowledged_grants(directory: Path, since_us: int = 0) -> dict[str, int]:
@@ -121,6 +131,7 @@ def analyse(outcome: Outcome, names: list[str], volume: checker.Volume) -> Analy
     lost_leases: set[tuple[str, int]] = set()
     for event in outcome.client:
         kind, ok = event.get("type"), event.get("status") == "ok"
+        counts.not_replicated += told_not_replicated(event)
         if kind == "acquire" and ok:
             key = (event["lock"], int(event["token"]))
             if (*key, event["owner"]) not in granted:
