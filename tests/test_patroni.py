@@ -41,7 +41,6 @@ each test (a killed member comes back as a fresh clone).
 from __future__ import annotations
 
 import os
-import random
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,12 +48,15 @@ from pathlib import Path
 import pytest
 
 from tests.stress import checker
-from tests.stress.harness import HISTORY, Profile, Workers, read_histories, trigger_statements
+from tests.stress.harness import HISTORY, Profile, read_histories, trigger_statements
 from tests.support import netns
 from tests.support.failover import (
     Analysis,
     Outcome,
     analyse,
+    contending,
+    seed,
+    tables,
     told_not_replicated,
     wait_for_grants,
 )
@@ -112,6 +114,9 @@ def ready(cluster: Patroni, synchronous: bool) -> Patroni:
     cluster.restore()
     if cluster.synchronous() != synchronous:
         cluster.set_synchronous(synchronous)
+    else:
+        # After a failover the new leader names its synchronous standby anew.
+        cluster.wait_synchronous(synchronous)
     return cluster
 
 
@@ -131,14 +136,8 @@ def run(ha: Patroni, directory: Path, prefix: str, fault: str) -> Outcome:
     leader = ha.wait_leader(60)
     leader.query(f"TRUNCATE {HISTORY}, stressapp_write")
     leader.query("DELETE FROM stressapp_resource")
-    for name in names:
-        leader.query("INSERT INTO stressapp_resource (name, value, version, fence_token) "
-                     "VALUES (%s, 0, 0, 0)", [name])
-    workers = Workers(profile(prefix), random.randrange(2**32), directory, "postgresql",
-                      env=ha.env(), pause_after_error=0.05)
-    try:
-        for slot in range(4):
-            workers.start(slot)
+    seed(leader.query, names)
+    with contending(profile(prefix), directory, ha.env()) as workers:
         wait_for_grants(directory, names, 0, BEFORE, f"{BEFORE} grants of each lock",
                         deadline=DEADLINE)
         cut_us = fault_us = now_us()
@@ -179,8 +178,6 @@ def run(ha: Patroni, directory: Path, prefix: str, fault: str) -> Outcome:
             assert ha.leader() is leader, "an etcd member's loss changed the leader"
         workers.stop(grace=30)
         return outcome(after, directory, fault, cut_us, fault_us)
-    finally:
-        workers.kill_all()
 
 
 def stop_wal_senders(leader: Member) -> None:
@@ -223,9 +220,7 @@ def cancel_synchronous_waits(leader: Member, directory: Path) -> None:
 def outcome(leader: Member, directory: Path, label: str, cut_us: int,
             fault_us: int) -> Outcome:
     return Outcome(
-        label=f"patroni: {label}", client=read_histories(directory),
-        history=leader.rows(HISTORY), writes=leader.rows("stressapp_write"),
-        resources={row["name"]: row for row in leader.rows("stressapp_resource")},
+        label=f"patroni: {label}", client=read_histories(directory), **tables(leader.rows),
         # Every grant from the fault on counts as after it (a switchover's old leader
         # grants until it is demoted): each must be above every one before.
         cut_us=cut_us, dead_us=fault_us, promote_us=fault_us,

@@ -2,6 +2,9 @@
 (tests/test_failover.py, a promoted streaming standby) and the Patroni tests
 (tests/test_patroni.py).
 
+Both set up the same way: :func:`seed` one Resource row per lock, :func:`contending`
+worker processes, and after the fault :func:`tables` read from the new primary.
+
 The clients' histories (tests/stress/harness.py) are split into what the new primary has
 and what was acknowledged but lost with the old one; the rest is judged by the stress
 harness's history checker; each lock's tokens acknowledged before the fault are compared
@@ -11,14 +14,52 @@ was issued again).
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.stress import checker
-from tests.stress.harness import read_histories
+from tests.stress.harness import HISTORY, Profile, Workers, read_histories
 from tests.support.helpers import wait_until
+
+Rows = list[dict[str, Any]]
+
+
+def seed(query: Callable[[str, list[Any]], object], names: Iterable[str]) -> None:
+    """One Resource row (value 0) per lock name, through ``query`` (a server's)."""
+    for name in names:
+        query("INSERT INTO stressapp_resource (name, value, version, fence_token) "
+              "VALUES (%s, 0, 0, 0)", [name])
+
+
+@contextlib.contextmanager
+def contending(profile: Profile, directory: Path, env: dict[str, str]) -> Iterator[Workers]:
+    """``profile.workers`` stress workers on PostgreSQL (``env``: the cluster's), backing
+    off 50 ms after a failed call as a client of a server that is down; killed at the end
+    (by PID) whatever happened."""
+    workers = Workers(profile, random.randrange(2**32), directory, "postgresql", env=env,
+                      pause_after_error=0.05)
+    try:
+        for slot in range(profile.workers):
+            workers.start(slot)
+        yield workers
+    finally:
+        workers.kill_all()
+
+
+def tables(rows: Callable[[str], Rows], leave_out: Iterable[str] = ()) -> dict[str, Any]:
+    """What the new primary has, as :class:`Outcome` takes it: the lock history, the
+    ground-truth writes, the Resource rows by name (less ``leave_out``)."""
+    skipped = set(leave_out)
+    return {
+        "history": rows(HISTORY), "writes": rows("stressapp_write"),
+        "resources": {row["name"]: row for row in rows("stressapp_resource")
+                      if row["name"] not in skipped},
+    }
 
 
 @dataclass

@@ -459,7 +459,12 @@ class Patroni:
         )
         with urllib.request.urlopen(request, timeout=30) as answer:
             assert answer.status == 200, answer.read()
+        self.wait_synchronous(on, timeout)
 
+    def wait_synchronous(self, on: bool, timeout: float = 60) -> None:
+        """Until the leader runs as ``synchronous_mode`` says: with it on, a standby
+        streaming as ``sync`` and named so in etcd (Patroni lists it as sync_standby; with
+        none named, Patroni promotes nobody when the leader dies); with it off, none."""
         def in_force() -> bool:
             current = self.leader()
             if current is None:
@@ -472,7 +477,11 @@ class Patroni:
                 )
             except Exception:  # noqa: BLE001 - a restart of the leader's session
                 return False
-            return (bool(names[0][0]) and int(synced[0][0]) == 1) if on else not names[0][0]
+            if not on:
+                return not names[0][0]
+            named = any(entry.get("role") == "sync_standby"
+                        for entry in (self.cluster() or {}).get("members", []))
+            return bool(names[0][0]) and int(synced[0][0]) == 1 and named
 
         wait_until(in_force, timeout,
                    f"Patroni's synchronous_mode {'on' if on else 'off'} in force", every=0.2)
