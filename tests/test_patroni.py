@@ -24,9 +24,10 @@ fenced write with its ground-truth row, release. Then one fault, with no operato
   acknowledged grant or write is lost and no token is issued again.
 
 * the leader partitioned from etcd alone (its own cluster: pg0 in a network namespace
-  whose link to etcd is cut, while clients and standbys still reach it): its Patroni
-  demotes it when it cannot renew the leader key (``retry_timeout``), before the key's
-  ``ttl`` lets another member be promoted; no violation, no token issued again.
+  whose link to etcd is cut, while clients and standbys still reach it), asynchronous and
+  in ``synchronous_mode``: its Patroni demotes it when it cannot renew the leader key
+  (``retry_timeout``), before the key's ``ttl`` lets another member be promoted; no
+  violation, no token issued again.
 
 CI runs the synchronous cancelled-wait fault; the plain synchronous kill and the etcd
 partition run with ``DISTLOCK_HA_FULL=1`` (the closing figures' runs; ``scripts/ha``
@@ -274,8 +275,9 @@ def test_synchronous_mode_cancelled_waits_raise_not_replicated_and_nothing_ackno
 
 
 @pytest.fixture
-def partitionable() -> Iterator[Patroni]:
-    """A cluster of its own whose leader, pg0, can be cut from etcd alone."""
+def partitionable(request: pytest.FixtureRequest) -> Iterator[Patroni]:
+    """A cluster of its own whose leader, pg0, can be cut from etcd alone; in Patroni's
+    synchronous_mode if the test's parameter says so."""
     try:
         netns.check()
     except Unavailable as exc:
@@ -289,12 +291,16 @@ def partitionable() -> Iterator[Patroni]:
         assert leader is ha.members[0], "the isolated member did not bootstrap the cluster"
         for statement in trigger_statements("postgresql"):
             leader.query(statement)
+        if request.param:
+            ha.set_synchronous(True)
         yield ha
     finally:
         ha.stop()
 
 
 @full_only
+@pytest.mark.parametrize("partitionable", [False, True], indirect=True,
+                         ids=["asynchronous", "synchronous"])
 def test_leader_partitioned_from_etcd_is_demoted_before_another_is_promoted(
     partitionable, tmp_path
 ):
