@@ -89,6 +89,9 @@ class EtcdCluster:
     size: int = 3
     election_ms: int = 1000
     heartbeat_ms: int = 100
+    #: More addresses the members take clients on, beside 127.0.0.1 (the root end of a
+    #: network namespace's link: tests/support/patroni.py's isolated member).
+    also_listen: list[str] = field(default_factory=list)
     members: list[EtcdMember] = field(default_factory=list)
     dir: Path | None = None
 
@@ -135,7 +138,10 @@ class EtcdCluster:
             shutil.which("etcd") or "etcd",
             "--name", member.name,
             "--data-dir", str(member.data),
-            "--listen-client-urls", member.client_url,
+            "--listen-client-urls", ",".join(
+                [member.client_url,
+                 *(f"http://{address}:{member.client_port}" for address in self.also_listen)]
+            ),
             "--advertise-client-urls", member.client_url,
             "--listen-peer-urls", member.peer_url,
             "--initial-advertise-peer-urls", member.peer_url,

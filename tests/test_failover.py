@@ -36,7 +36,6 @@ build the servers fails these tests; they are not skipped there.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,8 @@ from typing import Any
 import pytest
 
 from tests.stress import checker
-from tests.stress.harness import HISTORY, Profile, Workers, read_histories, trigger_statements
-from tests.support.failover import Outcome, analyse, wait_for_grants
+from tests.stress.harness import Profile, Workers, read_histories, trigger_statements
+from tests.support.failover import Outcome, analyse, contending, seed, tables, wait_for_grants
 from tests.support.helpers import wait_until
 from tests.support.pg_clusters import Replicated, Server, django_env, manage, now_us
 from tests.support.processes import Child, Children
@@ -92,11 +91,7 @@ def prepare(primary: Server) -> None:
     and one Resource per lock, on the primary (the standby gets them by replication)."""
     for statement in trigger_statements("postgresql"):
         primary.query(statement)
-    for name in [*PROFILE.names(), HELD]:
-        primary.query(
-            "INSERT INTO stressapp_resource (name, value, version, fence_token) "
-            "VALUES (%s, 0, 0, 0)", [name],
-        )
+    seed(primary.query, [*PROFILE.names(), HELD])
 
 
 def ask(agent: Child, command: str, timeout: float = 30.0) -> dict[str, Any]:
@@ -121,71 +116,72 @@ def fail_over(pair: Replicated, directory: Path, *, step: bool, follow: bool) ->
     follow_env = {} if follow else {"DISTLOCK_TEST_FOLLOW_TIMELINE": "0"}
     env = {**pair.env(), **follow_env}
     children = Children()
-    seed = random.randrange(2**32)
-    workers = Workers(PROFILE, seed, directory, "postgresql", env=env, pause_after_error=0.05)
     try:
         holder = children.start("tests.support.stress_workers:agent", "H", HELD, env=env)
         holder.expect("ready", timeout=60)
         holder.send("acquire", ttl=60, timeout=10)
         held = holder.expect("acquired")
-        for slot in range(PROFILE.workers):
-            workers.start(slot)
-        wait_for_grants(directory, PROFILE.names(), 0, 8, "8 acknowledged grants of each lock")
-        # The standby stops receiving WAL: the last commits before a crash that have not
-        # reached it (replication lag), made certain instead of a matter of luck.
-        pair.cut_replication()
-        cut_us = now_us()
-        if pair.synchronous:
-            # Commits now wait for the standby; none is acknowledged (and the others
-            # queue behind the waiting one's row lock).
-            wait_until(lambda: pair.primary.query(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
-            )[0][0] >= 1, DEADLINE, "a commit waiting for the standby", every=0.05)
-        else:
-            wait_for_grants(directory, PROFILE.names(), cut_us, 3,
-                            "3 acknowledged grants of each lock that the standby lacks")
-        lag = pair.lag()
-        pair.primary.crash()
-        dead_us = now_us()
-        promote_us = now_us()
-        pair.promote()
-        step_output = ""
-        if step:
-            # Over the Unix socket: TCP clients are still refused.
-            done = manage(
-                {**django_env(pair.standby.url(), HOST=str(pair.standby.dir),
-                              PORT=str(pair.standby.port)), **follow_env},
-                "distlock_failover",
-            )
-            assert done.returncode == 0, done.stderr
-            step_output = done.stdout.strip()
-            pair.standby.accept_tcp()
-        held_row = pair.standby.lock_row(HELD, local=True)
-        held_after = [ask(holder, "renew"), ask(holder, "write"), ask(holder, "release")]
-        wait_for_grants(directory, PROFILE.names(), promote_us, 8,
-                        "8 grants of each lock by the new primary and a stale write refused",
-                        refusals=1)
-        workers.stop(grace=30)
-        return Outcome(
-            label=("synchronous" if pair.synchronous else
-                   "asynchronous, with distlock_failover" if step else
-                   "asynchronous, no operator step, timeline followed" if follow else
-                   "asynchronous, neither the step nor the follow"),
-            client=read_histories(directory),
-            history=pair.standby.rows(HISTORY, local=True),
-            writes=pair.standby.rows("stressapp_write", local=True),
-            resources={
-                row["name"]: row for row in pair.standby.rows("stressapp_resource", local=True)
-                if row["name"] != HELD  # written by the holder, which records no Write rows
-            },
-            cut_us=cut_us, dead_us=dead_us, promote_us=promote_us, held=held,
-            held_after=held_after, held_row=held_row, lag_bytes=lag, step_output=step_output,
-            floor=pair.standby.query("SELECT timeline, token FROM distlock_floor",
-                                     local=True)[0],
-        )
+        with contending(PROFILE, directory, env) as workers:
+            return contend_and_fail_over(pair, directory, workers, holder, held,
+                                         step=step, follow=follow)
     finally:
         children.close()
-        workers.kill_all()
+
+
+def contend_and_fail_over(pair: Replicated, directory: Path, workers: Workers, holder: Child,
+                          held: dict[str, Any], *, step: bool, follow: bool) -> Outcome:
+    """With the holder's lease and the workers contending: cut, crash, promote, contend."""
+    assert pair.standby is not None
+    follow_env = {} if follow else {"DISTLOCK_TEST_FOLLOW_TIMELINE": "0"}
+    wait_for_grants(directory, PROFILE.names(), 0, 8, "8 acknowledged grants of each lock")
+    # The standby stops receiving WAL: the last commits before a crash that have not
+    # reached it (replication lag), made certain instead of a matter of luck.
+    pair.cut_replication()
+    cut_us = now_us()
+    if pair.synchronous:
+        # Commits now wait for the standby; none is acknowledged (and the others
+        # queue behind the waiting one's row lock).
+        wait_until(lambda: pair.primary.query(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+        )[0][0] >= 1, DEADLINE, "a commit waiting for the standby", every=0.05)
+    else:
+        wait_for_grants(directory, PROFILE.names(), cut_us, 3,
+                        "3 acknowledged grants of each lock that the standby lacks")
+    lag = pair.lag()
+    pair.primary.crash()
+    dead_us = now_us()
+    promote_us = now_us()
+    pair.promote()
+    step_output = ""
+    if step:
+        # Over the Unix socket: TCP clients are still refused.
+        done = manage(
+            {**django_env(pair.standby.url(), HOST=str(pair.standby.dir),
+                          PORT=str(pair.standby.port)), **follow_env},
+            "distlock_failover",
+        )
+        assert done.returncode == 0, done.stderr
+        step_output = done.stdout.strip()
+        pair.standby.accept_tcp()
+    held_row = pair.standby.lock_row(HELD, local=True)
+    held_after = [ask(holder, "renew"), ask(holder, "write"), ask(holder, "release")]
+    wait_for_grants(directory, PROFILE.names(), promote_us, 8,
+                    "8 grants of each lock by the new primary and a stale write refused",
+                    refusals=1)
+    workers.stop(grace=30)
+    return Outcome(
+        label=("synchronous" if pair.synchronous else
+               "asynchronous, with distlock_failover" if step else
+               "asynchronous, no operator step, timeline followed" if follow else
+               "asynchronous, neither the step nor the follow"),
+        client=read_histories(directory),
+        # The held lock's Resource is written by the holder, which records no Write rows.
+        **tables(lambda table: pair.standby.rows(table, local=True), leave_out=[HELD]),
+        cut_us=cut_us, dead_us=dead_us, promote_us=promote_us, held=held,
+        held_after=held_after, held_row=held_row, lag_bytes=lag, step_output=step_output,
+        floor=pair.standby.query("SELECT timeline, token FROM distlock_floor",
+                                 local=True)[0],
+    )
 
 
 # -- the tests -------------------------------------------------------------------------------

@@ -12,7 +12,26 @@ fenced write with its ground-truth row, release. Then one fault, with no operato
   acknowledged grants (replication lag made certain): they are lost, and the timeline
   follow keeps their tokens from being issued again;
 * a switchover through Patroni's REST API (what ``patronictl switchover`` asks for);
-* one etcd member SIGKILLed: no failover, the locks go on.
+* one etcd member SIGKILLed: no failover, the locks go on;
+* Patroni's ``synchronous_mode`` on (``synchronous_mode_strict`` off, docs/deployment.md
+  says why), the leader killed: the synchronous standby is promoted, nothing acknowledged
+  is lost;
+* ``synchronous_mode`` on, the leader's WAL senders SIGSTOPped: every commit now waits for
+  the standby and none is acknowledged; the waits are cancelled (``pg_cancel_backend``),
+  so PostgreSQL reports those commits done with a WARNING — distlock raises NotReplicated
+  for them (the workers record them as not granted / indeterminate) — then more commits
+  wait, and the leader is killed: those are indeterminate (the connection breaks). No
+  acknowledged grant or write is lost and no token is issued again.
+
+* the leader partitioned from etcd alone (its own cluster: pg0 in a network namespace
+  whose link to etcd is cut, while clients and standbys still reach it), asynchronous and
+  in ``synchronous_mode``: its Patroni demotes it when it cannot renew the leader key
+  (``retry_timeout``), before the key's ``ttl`` lets another member be promoted; no
+  violation, no token issued again.
+
+CI runs the synchronous cancelled-wait fault; the plain synchronous kill and the etcd
+partition run with ``DISTLOCK_HA_FULL=1`` (the closing figures' runs; ``scripts/ha``
+documents the command).
 
 Each prints its summary (-rA): grants, writes, refusals, indeterminate outcomes, violations,
 tokens issued again, the longest time no grant was acknowledged. Runs in the PostgreSQL
@@ -23,7 +42,6 @@ each test (a killed member comes back as a fresh clone).
 from __future__ import annotations
 
 import os
-import random
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +49,21 @@ from pathlib import Path
 import pytest
 
 from tests.stress import checker
-from tests.stress.harness import HISTORY, Profile, Workers, read_histories, trigger_statements
-from tests.support.failover import Analysis, Outcome, analyse, wait_for_grants
-from tests.support.patroni import Member, Patroni
-from tests.support.pg_clusters import now_us
+from tests.stress.harness import HISTORY, Profile, read_histories, trigger_statements
+from tests.support import netns
+from tests.support.failover import (
+    Analysis,
+    Outcome,
+    analyse,
+    contending,
+    seed,
+    tables,
+    told_not_replicated,
+    wait_for_grants,
+)
+from tests.support.helpers import wait_until
+from tests.support.patroni import Isolation, Member, Patroni
+from tests.support.pg_clusters import Unavailable, now_us
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,6 +80,11 @@ if not (
         "with DISTLOCK_TEST_FAULTS=1",
         allow_module_level=True,
     )
+
+FULL = os.environ.get("DISTLOCK_HA_FULL") == "1"
+full_only = pytest.mark.skipif(
+    not FULL, reason="one of the full HA set (DISTLOCK_HA_FULL=1): CI runs one synchronous fault",
+)
 
 VOLUME = checker.Volume(grants=10, writes=5, stale_refused=0)
 # Grants of each lock to see before the fault and after it (the new leader's).
@@ -76,10 +110,25 @@ def cluster() -> Iterator[Patroni]:
         ha.stop()
 
 
+def ready(cluster: Patroni, synchronous: bool) -> Patroni:
+    """Three streaming members again, with the replication mode the test asks for."""
+    cluster.restore()
+    if cluster.synchronous() != synchronous:
+        cluster.set_synchronous(synchronous)
+    else:
+        # After a failover the new leader names its synchronous standby anew.
+        cluster.wait_synchronous(synchronous)
+    return cluster
+
+
 @pytest.fixture
 def ha(cluster: Patroni) -> Patroni:
-    cluster.restore()
-    return cluster
+    return ready(cluster, synchronous=False)
+
+
+@pytest.fixture
+def ha_sync(cluster: Patroni) -> Patroni:
+    return ready(cluster, synchronous=True)
 
 
 def run(ha: Patroni, directory: Path, prefix: str, fault: str) -> Outcome:
@@ -88,14 +137,8 @@ def run(ha: Patroni, directory: Path, prefix: str, fault: str) -> Outcome:
     leader = ha.wait_leader(60)
     leader.query(f"TRUNCATE {HISTORY}, stressapp_write")
     leader.query("DELETE FROM stressapp_resource")
-    for name in names:
-        leader.query("INSERT INTO stressapp_resource (name, value, version, fence_token) "
-                     "VALUES (%s, 0, 0, 0)", [name])
-    workers = Workers(profile(prefix), random.randrange(2**32), directory, "postgresql",
-                      env=ha.env(), pause_after_error=0.05)
-    try:
-        for slot in range(4):
-            workers.start(slot)
+    seed(leader.query, names)
+    with contending(profile(prefix), directory, ha.env()) as workers:
         wait_for_grants(directory, names, 0, BEFORE, f"{BEFORE} grants of each lock",
                         deadline=DEADLINE)
         cut_us = fault_us = now_us()
@@ -103,12 +146,27 @@ def run(ha: Patroni, directory: Path, prefix: str, fault: str) -> Outcome:
             if fault == "kill-lagging":
                 stop_wal_senders(leader)
                 cut_us = now_us()
-                wait_for_grants(directory, names, cut_us, 3,
-                                "3 grants of each lock the standbys lack", deadline=DEADLINE)
+                if ha.synchronous():
+                    cancel_synchronous_waits(leader, directory)
+                else:
+                    wait_for_grants(directory, names, cut_us, 3,
+                                    "3 grants of each lock the standbys lack",
+                                    deadline=DEADLINE)
             fault_us = now_us()
             ha.kill_member(leader)
             ha.kill_server(leader)
             after = ha.wait_leader(DEADLINE, other_than=leader)
+        elif fault == "partition":
+            assert ha.isolated is not None and leader is ha.members[0]
+            ha.isolated.dcs.cut()
+            demoted = wait_until(lambda: not writable(leader) and now_us(), DEADLINE,
+                                 "the partitioned leader to stop taking writes", every=0.1)
+            after = ha.wait_leader(DEADLINE, other_than=leader)
+            promoted = now_us()
+            print(f"\npartitioned leader no longer writable {(demoted - fault_us) / 1e6:.1f} s "
+                  f"after the cut, the new leader seen writable "
+                  f"{(promoted - fault_us) / 1e6:.1f} s after it")
+            assert demoted < promoted
         elif fault == "switchover":
             ha.switchover(leader)
             after = ha.wait_leader(DEADLINE, other_than=leader)
@@ -121,8 +179,6 @@ def run(ha: Patroni, directory: Path, prefix: str, fault: str) -> Outcome:
             assert ha.leader() is leader, "an etcd member's loss changed the leader"
         workers.stop(grace=30)
         return outcome(after, directory, fault, cut_us, fault_us)
-    finally:
-        workers.kill_all()
 
 
 def stop_wal_senders(leader: Member) -> None:
@@ -135,12 +191,37 @@ def stop_wal_senders(leader: Member) -> None:
         os.kill(pid, signal.SIGSTOP)
 
 
+def writable(member: Member) -> bool:
+    try:
+        return not member.query("SELECT pg_is_in_recovery()", dbname="postgres")[0][0]
+    except Exception:  # noqa: BLE001 - stopped or restarting: not taking writes
+        return False
+
+
+def waiting_for_standby(leader: Member) -> list[int]:
+    """The leader's backends whose COMMIT waits for the synchronous standby."""
+    return [pid for (pid,) in leader.query(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event = 'SyncRep'", dbname="postgres")]
+
+
+def cancel_synchronous_waits(leader: Member, directory: Path) -> None:
+    """With the standbys cut off: cancel the commits waiting for them until a worker got
+    NotReplicated (PostgreSQL reported such a commit done, with a WARNING), then wait
+    until commits wait again, so the kill leaves some indeterminate too."""
+    def cancelled() -> bool:
+        for pid in waiting_for_standby(leader):
+            leader.query("SELECT pg_cancel_backend(%s)", [pid], dbname="postgres")
+        return any(map(told_not_replicated, read_histories(directory)))
+
+    wait_until(cancelled, DEADLINE, "a worker told NotReplicated", every=0.2)
+    wait_until(lambda: len(waiting_for_standby(leader)) > 0, DEADLINE,
+               "a commit waiting for the stopped standbys again", every=0.05)
+
+
 def outcome(leader: Member, directory: Path, label: str, cut_us: int,
             fault_us: int) -> Outcome:
     return Outcome(
-        label=f"patroni: {label}", client=read_histories(directory),
-        history=leader.rows(HISTORY), writes=leader.rows("stressapp_write"),
-        resources={row["name"]: row for row in leader.rows("stressapp_resource")},
+        label=f"patroni: {label}", client=read_histories(directory), **tables(leader.rows),
         # Every grant from the fault on counts as after it (a switchover's old leader
         # grants until it is demoted): each must be above every one before.
         cut_us=cut_us, dead_us=fault_us, promote_us=fault_us,
@@ -173,3 +254,54 @@ def test_switchover(ha, tmp_path):
 def test_an_etcd_member_killed(ha, tmp_path):
     analysis = judged(run(ha, tmp_path, "patroni-etcd", "etcd"), "patroni-etcd")
     assert analysis.lost_grants == analysis.lost_writes == 0
+
+
+@full_only
+def test_synchronous_mode_leader_killed_loses_nothing_acknowledged(ha_sync, tmp_path):
+    analysis = judged(run(ha_sync, tmp_path, "patroni-sync-kill", "kill"), "patroni-sync-kill")
+    assert (analysis.lost_grants, analysis.lost_renewals, analysis.lost_writes) == (0, 0, 0)
+
+
+def test_synchronous_mode_cancelled_waits_raise_not_replicated_and_nothing_acknowledged_is_lost(
+    ha_sync, tmp_path
+):
+    """The standbys cut off: nothing is acknowledged; cancelled waits raise NotReplicated
+    (not granted / indeterminate), waiting commits end indeterminate with the leader."""
+    result = run(ha_sync, tmp_path, "patroni-sync-lag", "kill-lagging")
+    analysis = judged(result, "patroni-sync-lag")
+    assert analysis.not_replicated > 0
+    assert analysis.unreplicated == 0, "a grant was acknowledged with the standbys cut off"
+    assert (analysis.lost_grants, analysis.lost_renewals, analysis.lost_writes) == (0, 0, 0)
+
+
+@pytest.fixture
+def partitionable(request: pytest.FixtureRequest) -> Iterator[Patroni]:
+    """A cluster of its own whose leader, pg0, can be cut from etcd alone; in Patroni's
+    synchronous_mode if the test's parameter says so."""
+    try:
+        netns.check()
+    except Unavailable as exc:
+        if os.environ.get("CI") == "true" or os.environ.get("DISTLOCK_REQUIRE_NETNS") == "1":
+            pytest.fail(f"CI=true / DISTLOCK_REQUIRE_NETNS=1, but no network namespaces: {exc}")
+        pytest.skip(f"this machine cannot make network namespaces: {exc}")
+    ha = Patroni(isolated=Isolation())
+    try:
+        ha.start()
+        leader = ha.wait_leader(60)
+        assert leader is ha.members[0], "the isolated member did not bootstrap the cluster"
+        for statement in trigger_statements("postgresql"):
+            leader.query(statement)
+        if request.param:
+            ha.set_synchronous(True)
+        yield ha
+    finally:
+        ha.stop()
+
+
+@full_only
+@pytest.mark.parametrize("partitionable", [False, True], indirect=True,
+                         ids=["asynchronous", "synchronous"])
+def test_leader_partitioned_from_etcd_is_demoted_before_another_is_promoted(
+    partitionable, tmp_path
+):
+    judged(run(partitionable, tmp_path, "patroni-partition", "partition"), "patroni-partition")

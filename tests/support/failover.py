@@ -2,6 +2,9 @@
 (tests/test_failover.py, a promoted streaming standby) and the Patroni tests
 (tests/test_patroni.py).
 
+Both set up the same way: :func:`seed` one Resource row per lock, :func:`contending`
+worker processes, and after the fault :func:`tables` read from the new primary.
+
 The clients' histories (tests/stress/harness.py) are split into what the new primary has
 and what was acknowledged but lost with the old one; the rest is judged by the stress
 harness's history checker; each lock's tokens acknowledged before the fault are compared
@@ -11,14 +14,52 @@ was issued again).
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.stress import checker
-from tests.stress.harness import read_histories
+from tests.stress.harness import HISTORY, Profile, Workers, read_histories
 from tests.support.helpers import wait_until
+
+Rows = list[dict[str, Any]]
+
+
+def seed(query: Callable[[str, list[Any]], object], names: Iterable[str]) -> None:
+    """One Resource row (value 0) per lock name, through ``query`` (a server's)."""
+    for name in names:
+        query("INSERT INTO stressapp_resource (name, value, version, fence_token) "
+              "VALUES (%s, 0, 0, 0)", [name])
+
+
+@contextlib.contextmanager
+def contending(profile: Profile, directory: Path, env: dict[str, str]) -> Iterator[Workers]:
+    """``profile.workers`` stress workers on PostgreSQL (``env``: the cluster's), backing
+    off 50 ms after a failed call as a client of a server that is down; killed at the end
+    (by PID) whatever happened."""
+    workers = Workers(profile, random.randrange(2**32), directory, "postgresql", env=env,
+                      pause_after_error=0.05)
+    try:
+        for slot in range(profile.workers):
+            workers.start(slot)
+        yield workers
+    finally:
+        workers.kill_all()
+
+
+def tables(rows: Callable[[str], Rows], leave_out: Iterable[str] = ()) -> dict[str, Any]:
+    """What the new primary has, as :class:`Outcome` takes it: the lock history, the
+    ground-truth writes, the Resource rows by name (less ``leave_out``)."""
+    skipped = set(leave_out)
+    return {
+        "history": rows(HISTORY), "writes": rows("stressapp_write"),
+        "resources": {row["name"]: row for row in rows("stressapp_resource")
+                      if row["name"] not in skipped},
+    }
 
 
 @dataclass
@@ -56,6 +97,9 @@ class Analysis:
     lost_renewals: int = 0
     lost_writes: int = 0
     reissued: int = 0
+    #: Grants, renewals and writes a client was told NotReplicated for (a cancelled wait
+    #: for the synchronous standby): not acknowledged, so never counted as lost.
+    not_replicated: int = 0
     #: The longest time between two acknowledged grants around the fault (seconds).
     unavailable: float = 0.0
     max_before: dict[str, int] = field(default_factory=dict)
@@ -73,12 +117,19 @@ class Analysis:
             f"{self.before} ({self.unreplicated} after the standby stopped receiving), "
             f"after the promotion={self.after}; lost (acknowledged, not on the "
             f"new primary): grants={self.lost_grants} renewals={self.lost_renewals} "
-            f"writes={self.lost_writes}; tokens issued again={self.reissued}; "
+            f"writes={self.lost_writes}; NotReplicated={self.not_replicated}; "
+            f"tokens issued again={self.reissued}; "
             f"WAL the standby lacked={outcome.lag_bytes} B; per lock, highest token before / "
             f"lowest after: {self.tokens()}; no grant acknowledged for "
             f"{self.unavailable:.1f} s"
             f"\n  history: {self.report.summary()}"
         )
+
+
+def told_not_replicated(event: dict[str, Any]) -> bool:
+    """Whether a client was told NotReplicated for this operation (tests/support/
+    stress_workers.py: status ``not_replicated``, or an indeterminate write marked so)."""
+    return event.get("status") == "not_replicated" or bool(event.get("not_replicated"))
 
 
 def acknowledged_grants(directory: Path, since_us: int = 0) -> dict[str, int]:
@@ -121,6 +172,7 @@ def analyse(outcome: Outcome, names: list[str], volume: checker.Volume) -> Analy
     lost_leases: set[tuple[str, int]] = set()
     for event in outcome.client:
         kind, ok = event.get("type"), event.get("status") == "ok"
+        counts.not_replicated += told_not_replicated(event)
         if kind == "acquire" and ok:
             key = (event["lock"], int(event["token"]))
             if (*key, event["owner"]) not in granted:

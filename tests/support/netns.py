@@ -81,18 +81,23 @@ def remove_leftovers() -> None:
 
 
 class Host:
-    """One namespace and its veth pair; ``number`` picks the subnet 10.231.<number>.0/24."""
+    """One namespace and its veth pair; ``number`` picks the subnet 10.231.<number>.0/24.
 
-    def __init__(self, name: str, number: int) -> None:
+    ``joins``: a second link into that host's namespace instead of a namespace of its own
+    (a machine with two networks, each cut on its own: tests/support/patroni.py)."""
+
+    def __init__(self, name: str, number: int, joins: Host | None = None) -> None:
         self.name = name
-        self.namespace = f"{PREFIX}{name}"
+        self.joins = joins
+        self.namespace = joins.namespace if joins is not None else f"{PREFIX}{name}"
         self.outside = f"{PREFIX}{name}0"
         self.inside = f"{PREFIX}{name}1"
         self.gateway = f"10.231.{number}.1"  # the root namespace's end: the database
         self.address = f"10.231.{number}.2"
 
     def create(self) -> None:
-        ip("netns", "add", self.namespace)
+        if self.joins is None:
+            ip("netns", "add", self.namespace)
         ip("link", "add", self.outside, "type", "veth", "peer", "name", self.inside,
            "netns", self.namespace)
         ip("addr", "add", f"{self.gateway}/24", "dev", self.outside)
@@ -100,7 +105,8 @@ class Host:
         inside = ("-n", self.namespace)
         ip(*inside, "addr", "add", f"{self.address}/24", "dev", self.inside)
         ip(*inside, "link", "set", self.inside, "up")
-        ip(*inside, "link", "set", "lo", "up")
+        if self.joins is None:
+            ip(*inside, "link", "set", "lo", "up")
         self.wait_linked(True)
 
     def prefix(self) -> list[str]:
@@ -126,8 +132,10 @@ class Host:
         self.wait_linked(True)
 
     def remove(self) -> None:
+        ip("link", "del", self.outside, check=False)
+        if self.joins is not None:
+            return
         for pid in ip("netns", "pids", self.namespace, check=False).split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
-        ip("link", "del", self.outside, check=False)
         ip("netns", "del", self.namespace, check=False)

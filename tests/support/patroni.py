@@ -13,7 +13,16 @@ Django reaches the leader of the moment through libpq's host list with
 describes. The settings are those docs/deployment.md gives as the tested configuration:
 ``ttl`` 20 s, ``loop_wait`` 2 s, ``retry_timeout`` 5 s, asynchronous replication,
 ``maximum_lag_on_failover`` large (a standby that missed the last commits is promoted:
-the case the timeline follow is for).
+the case the timeline follow is for). :meth:`Patroni.set_synchronous` turns Patroni's
+``synchronous_mode`` on or off in the running cluster (its dynamic configuration, PATCH
+/config), with ``synchronous_mode_strict`` off (docs/deployment.md says why).
+
+With ``isolated`` (:class:`Isolation`), member ``pg0`` runs on a "machine" of its own: a
+network namespace (tests/support/netns.py) with two links to this one, ``db`` (its
+PostgreSQL, its REST API: clients and standbys reach it there) and ``dcs`` (its only way
+to etcd, which also listens on that link's root end). It bootstraps the cluster, so it is
+the leader; cutting ``dcs`` partitions the leader from etcd alone, everything else still
+reaches it. :meth:`Patroni.restore` does not bring such a cluster back: one per test.
 
 ``scripts/ha [-- command]`` starts one and runs a command beside it.
 """
@@ -35,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.servers import EtcdCluster, free_port
+from tests.support import netns
 from tests.support.helpers import wait_until
 from tests.support.pg_clusters import DATABASE, Unavailable, _connect, django_env, migrate, pg_bin
 
@@ -51,6 +61,10 @@ class Member:
     api_port: int
     dir: Path
     process: subprocess.Popen[bytes] | None = None
+    #: Where it listens (PostgreSQL and REST API) and is reached.
+    address: str = "127.0.0.1"
+    #: The command prefix that runs it on its host (``ip netns exec …``), if not this one.
+    prefix: list[str] = field(default_factory=list)
 
     @property
     def data(self) -> Path:
@@ -58,7 +72,7 @@ class Member:
 
     @property
     def api(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return f"http://{self.address}:{self.api_port}"
 
     def status(self) -> dict[str, Any] | None:
         """Patroni's own answer about this member (GET /patroni), None if it is down."""
@@ -89,7 +103,7 @@ class Member:
 
     def query(self, sql: str, params: list[Any] | None = None,
               dbname: str = DATABASE) -> list[tuple[Any, ...]]:
-        with _connect(host="127.0.0.1", port=self.port, user="postgres",
+        with _connect(host=self.address, port=self.port, user="postgres",
                       dbname=dbname) as connection, connection.cursor() as cursor:
             cursor.execute(sql, params or [])
             return cursor.fetchall() if cursor.description else []
@@ -98,9 +112,33 @@ class Member:
         """Every row of ``table`` as a dict (the history checker's input)."""
         from psycopg.rows import dict_row
 
-        with _connect(host="127.0.0.1", port=self.port, user="postgres", dbname=DATABASE,
+        with _connect(host=self.address, port=self.port, user="postgres", dbname=DATABASE,
                       row_factory=dict_row) as connection:
             return list(connection.execute(f"SELECT * FROM {table}").fetchall())
+
+
+@dataclass
+class Isolation:
+    """Member pg0's machine: a namespace reached over ``db`` (PostgreSQL, REST API) and
+    reaching etcd over ``dcs`` only, so that either can be cut alone."""
+
+    db: netns.Host = field(default_factory=lambda: netns.Host("hadb", 21))
+    dcs: netns.Host = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dcs = netns.Host("hadcs", 22, joins=self.db)
+
+    def create(self) -> None:
+        netns.check()
+        # What a killed run left of these two links (not netns.remove_leftovers(): that
+        # removes every dlp- namespace, a partition test's running beside this one too).
+        self.remove()
+        self.db.create()
+        self.dcs.create()
+
+    def remove(self) -> None:
+        self.dcs.remove()
+        self.db.remove()
 
 
 @dataclass
@@ -111,6 +149,7 @@ class Patroni:
     etcd: EtcdCluster = field(default_factory=EtcdCluster)
     members: list[Member] = field(default_factory=list)
     dir: Path | None = None
+    isolated: Isolation | None = None
 
     def __enter__(self) -> Patroni:
         self.start()
@@ -131,19 +170,30 @@ class Patroni:
         self.dir = Path(tempfile.mkdtemp(prefix="distlock-patroni-"))
         os.chmod(self.dir, 0o755)
         try:
+            if self.isolated is not None:
+                self.isolated.create()
+                self.etcd.also_listen = [self.isolated.dcs.gateway]
             self.etcd.start()
             self.members = [
                 Member(f"pg{i}", free_port(), free_port(), self.dir / f"pg{i}")
                 for i in range(self.size)
             ]
+            if self.isolated is not None:
+                self.members[0].address = self.isolated.db.address
+                self.members[0].prefix = self.isolated.db.prefix()
             for member in self.members:
                 member.dir.mkdir()
                 if self.account is not None:
                     os.chown(member.dir, self.account.pw_uid, self.account.pw_gid)
                 self._configure(member)
+            if self.isolated is not None:
+                # The isolated member bootstraps (initdb) alone: it is the leader.
+                self.start_member(0)
+                self.wait_leader(120)
             # All at once: one wins the bootstrap (initdb) in etcd, the others clone it.
             for index in range(self.size):
-                self.start_member(index)
+                if self.members[index].process is None:
+                    self.start_member(index)
             leader = self.wait_leader(120)
             leader.query(f"CREATE DATABASE {DATABASE}", dbname="postgres")
             migrate(self.env())
@@ -154,14 +204,24 @@ class Patroni:
 
     def _configure(self, member: Member) -> None:
         hosts = ",".join(self.etcd.endpoints)
+        etcd: dict[str, Any] = {"hosts": hosts}
+        if member.prefix and self.isolated is not None:
+            # etcd's root end of the dcs link; no discovery of the members' advertised
+            # (loopback) addresses, which this host cannot reach.
+            etcd = {"hosts": ",".join(f"{self.isolated.dcs.gateway}:{m.client_port}"
+                                      for m in self.etcd.members), "use_proxies": True}
+        hba = ["local all all trust", "host all all 127.0.0.1/32 trust",
+               "host replication all 127.0.0.1/32 trust",
+               f"host all all {netns.NETWORK} trust",
+               f"host replication all {netns.NETWORK} trust"]
         config = {
             "scope": SCOPE,
             "namespace": f"/distlock-{os.getpid()}-{id(self)}/",
             "name": member.name,
             "log": {"level": "INFO", "dir": str(member.dir)},
-            "restapi": {"listen": f"127.0.0.1:{member.api_port}",
-                        "connect_address": f"127.0.0.1:{member.api_port}"},
-            "etcd3": {"hosts": hosts},
+            "restapi": {"listen": f"{member.address}:{member.api_port}",
+                        "connect_address": f"{member.address}:{member.api_port}"},
+            "etcd3": etcd,
             "bootstrap": {
                 "dcs": {
                     "ttl": TTL, "loop_wait": LOOP_WAIT, "retry_timeout": RETRY_TIMEOUT,
@@ -173,12 +233,11 @@ class Patroni:
                     }},
                 },
                 "initdb": [{"encoding": "UTF8"}, {"locale": "C"}],
-                "pg_hba": ["local all all trust", "host all all 127.0.0.1/32 trust",
-                           "host replication all 127.0.0.1/32 trust"],
+                "pg_hba": hba,
             },
             "postgresql": {
-                "listen": f"127.0.0.1:{member.port}",
-                "connect_address": f"127.0.0.1:{member.port}",
+                "listen": f"{member.address}:{member.port}",
+                "connect_address": f"{member.address}:{member.port}",
                 "data_dir": str(member.data),
                 "bin_dir": str(self.bin),
                 "pgpass": str(member.dir / "pgpass"),
@@ -191,8 +250,7 @@ class Patroni:
                     # A crash here is a process dying, never the machine.
                     "fsync": "off", "max_connections": 60, "shared_buffers": "16MB",
                 },
-                "pg_hba": ["local all all trust", "host all all 127.0.0.1/32 trust",
-                           "host replication all 127.0.0.1/32 trust"],
+                "pg_hba": hba,
             },
             "tags": {"nofailover": False, "noloadbalance": False},
         }
@@ -206,13 +264,21 @@ class Patroni:
         log = (member.dir / "patroni.out").open("ab")
         user: dict[str, Any] = {}
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"}
+        command = ["patroni", str(member.dir / "patroni.yml")]
         if self.account is not None:
             user = {"user": self.account.pw_uid, "group": self.account.pw_gid,
                     "extra_groups": []}
             env["HOME"] = self.account.pw_dir
+        if member.prefix:
+            # Entering the namespace needs root: the user changes after it (each program
+            # execs the next, so the PID is Patroni's).
+            assert self.account is not None, "network namespaces need root"
+            command = [*member.prefix, "setpriv", f"--reuid={self.account.pw_uid}",
+                       f"--regid={self.account.pw_gid}", "--clear-groups", *command]
+            user = {}
         # Its own session: a Ctrl-C of the test run does not reach it before stop() does.
         member.process = subprocess.Popen(
-            ["patroni", str(member.dir / "patroni.yml")], stdout=log, stderr=subprocess.STDOUT,
+            command, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, env=env, cwd=member.dir, **user,
         )
         log.close()
@@ -254,6 +320,8 @@ class Patroni:
                 with contextlib.suppress(TimeoutError):
                     wait_until(lambda main=main: not _alive(main), 30, f"postmaster {main}")
         self.etcd.stop()
+        if self.isolated is not None:
+            self.isolated.remove()
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
@@ -276,8 +344,9 @@ class Patroni:
     # -- the cluster's state -----------------------------------------------------------
 
     def cluster(self) -> dict[str, Any] | None:
-        """GET /cluster from any member that answers."""
-        for member in self.members:
+        """GET /cluster from any member that answers (an isolated one last: cut from etcd,
+        it answers with what it saw last)."""
+        for member in sorted(self.members, key=lambda m: bool(m.prefix)):
             if member.process is None:
                 continue
             with (
@@ -338,7 +407,9 @@ class Patroni:
         found = self.cluster() or {}
         running = {
             entry["name"] for entry in found.get("members", [])
-            if entry.get("role") == "replica" and entry.get("state") in ("running", "streaming")
+            # Patroni lists a synchronous standby as sync_standby (synchronous_mode).
+            if entry.get("role") in ("replica", "sync_standby")
+            and entry.get("state") in ("running", "streaming")
         }
         return [m for m in self.members if m.name in running and m.process is not None]
 
@@ -371,6 +442,56 @@ class Patroni:
         wait_until(switched, timeout, "Patroni to accept the switchover", every=0.5)
         return done[0]
 
+    def set_synchronous(self, on: bool, timeout: float = 60) -> None:
+        """Patroni's ``synchronous_mode`` on or off, through its dynamic configuration (what
+        ``patronictl edit-config`` writes), and wait until the leader has it in force: one
+        standby named in ``synchronous_standby_names`` and streaming as ``sync``, or none.
+
+        ``synchronous_mode_strict`` stays off: with no synchronous standby left Patroni lets
+        the leader commit alone rather than stop every write, and a standby that was not
+        synchronous is still never promoted automatically (Patroni's rule for
+        ``synchronous_mode``); distlock's timeline follow covers the commits lost then."""
+        leader = self.wait_leader(timeout)
+        body = json.dumps({"synchronous_mode": on, "synchronous_mode_strict": False})
+        request = urllib.request.Request(
+            f"{leader.api}/config", data=body.encode(), method="PATCH",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.status == 200, answer.read()
+        self.wait_synchronous(on, timeout)
+
+    def wait_synchronous(self, on: bool, timeout: float = 60) -> None:
+        """Until the leader runs as ``synchronous_mode`` says: with it on, a standby
+        streaming as ``sync`` and named so in etcd (Patroni lists it as sync_standby; with
+        none named, Patroni promotes nobody when the leader dies); with it off, none."""
+        def in_force() -> bool:
+            current = self.leader()
+            if current is None:
+                return False
+            try:
+                names = current.query("SHOW synchronous_standby_names", dbname="postgres")
+                synced = current.query(
+                    "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync' "
+                    "AND state = 'streaming'", dbname="postgres",
+                )
+            except Exception:  # noqa: BLE001 - a restart of the leader's session
+                return False
+            if not on:
+                return not names[0][0]
+            named = any(entry.get("role") == "sync_standby"
+                        for entry in (self.cluster() or {}).get("members", []))
+            return bool(names[0][0]) and int(synced[0][0]) == 1 and named
+
+        wait_until(in_force, timeout,
+                   f"Patroni's synchronous_mode {'on' if on else 'off'} in force", every=0.2)
+
+    def synchronous(self) -> bool:
+        """Whether the dynamic configuration has ``synchronous_mode`` on."""
+        leader = self.wait_leader(30)
+        with urllib.request.urlopen(f"{leader.api}/config", timeout=5) as answer:
+            return bool(json.loads(answer.read()).get("synchronous_mode"))
+
     # -- clients -----------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
@@ -378,7 +499,7 @@ class Patroni:
         session read-write, so it lands on the leader of the moment."""
         return django_env(
             f"postgresql://postgres@127.0.0.1:{self.members[0].port}/{DATABASE}",
-            HOST=",".join("127.0.0.1" for _ in self.members),
+            HOST=",".join(member.address for member in self.members),
             PORT=",".join(str(member.port) for member in self.members),
             OPTIONS={"target_session_attrs": "read-write", "connect_timeout": 3},
         )

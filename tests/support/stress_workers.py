@@ -141,10 +141,11 @@ def write(lease: Any, name: str, read_value: int, op_id: str, worker: str,
 def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
         fencing: bool = True, weak_clock: bool = False, limit: float = 600.0,
         pause_after_error: float = 0.0) -> None:
-    from django.db import DatabaseError
+    from django.db import DatabaseError, connections
 
     from distlock import acquire
-    from distlock.exceptions import LockLost, StaleToken
+    from distlock.backends import pg_syncrep
+    from distlock.exceptions import LockLost, NotReplicated, StaleToken
     from tests.stressapp.models import Resource
     from tests.support.helpers import us
 
@@ -177,6 +178,11 @@ def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
         except DatabaseError as exc:
             failed("acquire", exc, lock=name, op_id=op_id)
             continue
+        except NotReplicated as exc:
+            # Committed on the primary, its wait for the standby cancelled: not a grant.
+            record(type="acquire", status="not_replicated", worker=worker, lock=name,
+                   op_id=op_id, error=str(exc)[:300])
+            continue
         if lease is None:
             record(type="acquire", status="fail", worker=worker, lock=name, op_id=op_id)
             continue
@@ -202,19 +208,32 @@ def run(worker: str, names: list[str], ttl: float, seed: int, stop_path: str,
                            op_id=op_id, token=lease.token, reason=exc.reason)
                 except DatabaseError as exc:
                     failed("renew", exc, lock=name, op_id=op_id, token=lease.token)
+                except NotReplicated as exc:
+                    record(type="renew", status="not_replicated", worker=worker, lock=name,
+                           op_id=op_id, token=lease.token, error=str(exc)[:300])
                 else:
                     record(type="renew", status="ok", worker=worker, lock=name,
                            op_id=op_id, token=lease.token, expires_us=us(lease.expires_at))
             time.sleep(hold)
             record(type="write", status="invoke", worker=worker, lock=name, op_id=op_id,
                    token=lease.token)
+            # The write commits in its own atomic(), which distlock does not check for a
+            # cancelled synchronous wait: the worker looks at the session's mark itself.
+            pg_syncrep.watching(connections["default"])
             try:
                 version = write(lease, name, value, op_id, worker, fencing)
+                warning = pg_syncrep.unreplicated(connections["default"])
+                if warning is not None:
+                    raise NotReplicated(f"write {op_id}", warning)
             except StaleToken as exc:
                 record(type="write", status="rejected", worker=worker, lock=name,
                        op_id=op_id, token=lease.token, error=str(exc)[:200])
             except DatabaseError as exc:
                 failed("write", exc, lock=name, op_id=op_id, token=lease.token)
+            except NotReplicated as exc:
+                # Indeterminate (status info): a failover may keep it or lose it.
+                record(type="write", status="info", worker=worker, lock=name, op_id=op_id,
+                       token=lease.token, not_replicated=True, error=str(exc)[:300])
             else:
                 record(type="write", status="ok", worker=worker, lock=name, op_id=op_id,
                        token=lease.token, version=version)
