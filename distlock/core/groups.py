@@ -34,16 +34,10 @@ from contextlib import ContextDecorator
 from types import TracebackType
 from typing import Any, TypeVar
 
+from distlock.core.blocks import _current, _Held, _running_task, refuse_async
 from distlock.core.grants import DEFAULT, block_ended, wait_limit
 from distlock.core.leases import Lease, LostCallback
-from distlock.core.locks import (
-    _current,
-    _Held,
-    _running_task,
-    acquire,
-    refuse_async,
-    refuse_nested,
-)
+from distlock.core.locks import acquire, refuse_nested
 from distlock.exceptions import LockLost, LockTimeout
 from distlock.validation import Seconds, check_name, check_text, check_ttl, check_using
 
