@@ -21,8 +21,8 @@ What a semaphore guarantees (docs/semaphores.md):
   the new N hold; a larger N takes effect at the next grant.
 
 Rows: ``name#permits`` (the head, never held; its ``holder`` reads ``permits=N``) and
-``name#permit:0`` … ``name#permit:<N-1>``. Those suffixes are the semaphore's: a plain
-lock of such a name shares its rows.
+``name#permit:0`` … ``name#permit:<N-1>``. Those suffixes are the semaphore's: the plain
+lock entry points refuse such names (:func:`distlock.validation.refuse_reserved`).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from distlock.core.locks import (
 )
 from distlock.core.purge import purge_locks
 from distlock.core.shielding import shielded
-from distlock.validation import Seconds
+from distlock.validation import Seconds, refuse_reserved
 from distlock.waiting.listener import AsyncWaiter
 
 P = ParamSpec("P")
@@ -156,6 +156,7 @@ async def aacquire(
         f"task={task.get_name()} {holder}".strip() if task is not None else holder,
         min_hold, max_hold, lock_delay,
     )
+    refuse_reserved(request.name)
     refuse_nested(request.name, request.alias)
     give_up = None if request.wait is None else request.began + request.wait
     attempt = 0

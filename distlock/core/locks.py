@@ -28,12 +28,14 @@ from distlock.exceptions import NestedLock
 from distlock.names import NameTemplate
 from distlock.validation import (
     Seconds,
+    check_lock_name,
     check_name,
     check_owner,
     check_text,
     check_token,
     check_ttl,
     check_using,
+    refuse_reserved,
 )
 from distlock.waiting.queue import Turn, Waiter, has_queue, poke, queue_for
 
@@ -124,6 +126,7 @@ def acquire(
     request = Request(
         name, ttl, blocking, timeout, using, holder, min_hold, max_hold, lock_delay
     )
+    refuse_reserved(request.name)
     refuse_nested(request.name, request.alias)
     uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
     give_up = None if request.wait is None else request.began + request.wait
@@ -209,7 +212,7 @@ class LockBlock(Block[Lease]):
         max_hold: Seconds | None = DEFAULT,
         lock_delay: Seconds | None = DEFAULT,
     ) -> None:
-        check_name(name)
+        check_lock_name(name)
         policies.resolve(check_ttl(ttl), min_hold, max_hold, lock_delay)
         self._keep(name, {
             "ttl": ttl, "timeout": timeout, "using": using,
