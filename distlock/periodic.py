@@ -37,7 +37,8 @@ from datetime import UTC, datetime, timedelta
 from typing import ParamSpec, TypeVar
 
 from distlock.constants import MAX_NAME_LENGTH
-from distlock.core.locks import acquire, as_current, refuse_async
+from distlock.core.blocks import refuse_async
+from distlock.core.locks import acquire, as_current
 from distlock.db import db_now_us
 from distlock.validation import (
     Seconds,

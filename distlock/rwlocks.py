@@ -28,17 +28,14 @@ wait for itself). Rows: ``name#rw`` (the head, never held), ``name#write`` and
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AsyncContextDecorator, ContextDecorator
-from types import TracebackType
 from typing import Any, TypeVar
 
 from distlock.conf import conf
+from distlock.core.blocks import AsyncBlock, Block, SyncBlock
 from distlock.core.grants import DEFAULT, Request
 from distlock.core.leases import LostCallback
-from distlock.core.locks import refuse_async
 from distlock.core.shared import (
     Permit,
-    PermitBlock,
     aobtain,
     async_holder,
     obtain,
@@ -155,7 +152,7 @@ async def aacquire_write(
     )
 
 
-class _RWBlock(PermitBlock):
+class _RWBlock(Block[Permit]):
     write: bool = False
 
     def __init__(
@@ -169,14 +166,10 @@ class _RWBlock(PermitBlock):
         auto_renew: bool = False,
         on_lost: LostCallback | None = None,
     ) -> None:
-        super().__init__()
         self._keep(check_rw_name(name), {
             "ttl": ttl, "timeout": timeout, "using": using, "holder": holder,
             "auto_renew": auto_renew, "on_lost": on_lost,
         })
-
-    def _recreate_cm(self) -> Any:
-        return type(self)(self.name, **self._options)
 
     def _take(self) -> Permit | None:
         options = self._options
@@ -193,36 +186,12 @@ class _RWBlock(PermitBlock):
         )
 
 
-class _SyncRW(_RWBlock, ContextDecorator):
-    def __call__(self, func: F) -> F:
-        refuse_async(func, f"@{type(self).__name__}(...)")
-        return super().__call__(func)
-
-    def __enter__(self) -> Permit:
-        return self._entered(self._take())
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._end()
+class _SyncRW(_RWBlock, SyncBlock[Permit]):
+    """A read or write lock for ``with`` and plain functions."""
 
 
-class _AsyncRW(_RWBlock, AsyncContextDecorator):
-    def __call__(self, func: F) -> F:
-        from distlock.core.async_locks import refuse_sync
-
-        refuse_sync(func, f"@{type(self).__name__}(...)")
-        return super().__call__(func)
-
-    async def __aenter__(self) -> Permit:
-        return self._entered(await self._atake())
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._aend()
+class _AsyncRW(_RWBlock, AsyncBlock[Permit]):
+    """A read or write lock for ``async with`` and ``async def``."""
 
 
 class read_lock(_SyncRW):  # noqa: N801 - reads like a function

@@ -21,31 +21,28 @@ What a semaphore guarantees (docs/semaphores.md):
   the new N hold; a larger N takes effect at the next grant.
 
 Rows: ``name#permits`` (the head, never held; its ``holder`` reads ``permits=N``) and
-``name#permit:0`` … ``name#permit:<N-1>``. Those suffixes are the semaphore's: a plain
-lock of such a name shares its rows.
+``name#permit:0`` … ``name#permit:<N-1>``. Those suffixes are the semaphore's: the plain
+lock entry points refuse such names (:func:`distlock.validation.refuse_reserved`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AsyncContextDecorator, ContextDecorator
 from dataclasses import dataclass
 from datetime import datetime
-from types import TracebackType
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.db import connections
 
 from distlock.backends import backend_for
+from distlock.core.blocks import AsyncBlock, Block, SyncBlock
 from distlock.core.grants import DEFAULT, Request
 from distlock.core.inspection import LockStatus, state_at
 from distlock.core.leases import LostCallback
-from distlock.core.locks import refuse_async
 from distlock.core.permits import MAX_PERMITS, check_permits
 from distlock.core.shared import (
     Permit,
-    PermitBlock,
     aobtain,
     async_holder,
     obtain,
@@ -148,7 +145,7 @@ async def aacquire_permit(
     )
 
 
-class _SemaphoreBlock(PermitBlock):
+class _SemaphoreBlock(Block[Permit]):
     def __init__(
         self,
         name: str,
@@ -161,8 +158,6 @@ class _SemaphoreBlock(PermitBlock):
         auto_renew: bool = False,
         on_lost: LostCallback | None = None,
     ) -> None:
-        super().__init__()
-        # Checked now: a bad decorator fails at import.
         checked = check_semaphore_name(name)
         check_permits(permits)
         self._keep(checked, {
@@ -170,12 +165,14 @@ class _SemaphoreBlock(PermitBlock):
             "holder": holder, "auto_renew": auto_renew, "on_lost": on_lost,
         })
 
-    def _recreate_cm(self) -> Any:
-        # A decorated function may run in several threads (or tasks) at once.
-        return type(self)(self.name, **self._options)
+    def _take(self) -> Permit | None:
+        return acquire_permit(self.name, **self._options)
+
+    async def _atake(self) -> Permit | None:
+        return await aacquire_permit(self.name, **self._options)
 
 
-class semaphore(_SemaphoreBlock, ContextDecorator):  # noqa: N801 - reads like a function
+class semaphore(_SemaphoreBlock, SyncBlock[Permit]):  # noqa: N801 - reads like a function
     """Hold one of ``permits`` permits of semaphore ``name`` for a ``with`` block (or a
     decorated function's call).
 
@@ -187,37 +184,9 @@ class semaphore(_SemaphoreBlock, ContextDecorator):  # noqa: N801 - reads like a
     (``asemaphore`` is the async form).
     """
 
-    def __call__(self, func: F) -> F:
-        refuse_async(func, "@semaphore(...)")
-        return super().__call__(func)
 
-    def __enter__(self) -> Permit:
-        return self._entered(acquire_permit(self.name, **self._options))
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._end()
-
-
-class asemaphore(_SemaphoreBlock, AsyncContextDecorator):  # noqa: N801
+class asemaphore(_SemaphoreBlock, AsyncBlock[Permit]):  # noqa: N801
     """:class:`semaphore` for ``async with`` blocks and ``async def`` functions."""
-
-    def __call__(self, func: F) -> F:
-        from distlock.core.async_locks import refuse_sync
-
-        refuse_sync(func, "@asemaphore(...)")
-        return super().__call__(func)
-
-    async def __aenter__(self) -> Permit:
-        return self._entered(await aacquire_permit(self.name, **self._options))
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._aend()
 
 
 @dataclass(frozen=True)

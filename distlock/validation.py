@@ -6,6 +6,7 @@ They run before any SQL, so bad input raises a clear error and changes nothing.
 from __future__ import annotations
 
 import math
+import re
 from datetime import timedelta
 from decimal import Decimal
 
@@ -48,6 +49,35 @@ def check_name(name: object) -> str:
             f"lock name is {len(name)} characters long; at most {MAX_NAME_LENGTH} are allowed"
         )
     return _check_characters(name, "lock name")
+
+
+# The row names of semaphores (``name#permits``, ``name#permit:<i>``: distlock/semaphores.py)
+# and read/write locks (``name#rw``, ``name#write``, ``name#read:<i>``: distlock/rwlocks.py).
+_RESERVED_ROW = re.compile(r"#(?:permits|permit:[0-9]+|rw|write|read:[0-9]+)\Z")
+
+
+def refuse_reserved(name: str) -> None:
+    """Raise ValueError if ``name`` is a row name of a semaphore or read/write lock.
+
+    A plain lock of such a name would share that row: its grant would take a permit the
+    semaphore does not count, or bypass the read/write lock's writer preference. Those
+    rows stay readable (``lock_status``) and breakable (``break_lock``); only taking them
+    as plain locks is refused. The check costs a ``"#" in name`` for almost every name.
+    """
+    if "#" in name and _RESERVED_ROW.search(name):
+        raise ValueError(
+            f"lock name {name!r} ends in a suffix reserved for the rows of semaphores and "
+            "read/write locks (#permits, #permit:<n>, #rw, #write, #read:<n>): take it "
+            "with semaphore()/read_lock()/write_lock(), or choose another name"
+        )
+
+
+def check_lock_name(name: object) -> str:
+    """check_name() for a plain lock: a semaphore's or read/write lock's row name is
+    refused too (:func:`refuse_reserved`)."""
+    checked = check_name(name)
+    refuse_reserved(checked)
+    return checked
 
 
 def check_text(value: object, what: str) -> str:

@@ -27,6 +27,7 @@ from django_tasks_db.models import DBTaskResult
 
 from distlock import celery as distlock_celery
 from distlock import tasks as distlock_tasks
+from distlock.backends.mysql import exact_collation
 from distlock.db import db_now_us
 from distlock.integrations.unique import UNIQUE_KWARG, aenqueue_once, enqueue_once, unique_task
 from distlock.models import TaskKey
@@ -306,6 +307,33 @@ def test_aenqueue_once_from_async_code():
     assert [r.args_kwargs["args"] for r in django_sent(k)] == [[k, 0]]
     with pytest.raises(ValueError, match="policy"):
         run_async(lambda: aenqueue_once(k, queued, [k, 3], policy="never"))
+
+
+def test_keys_are_compared_exactly_as_lock_names_are():
+    """A key differing only in case, an accent or a trailing space is another key, on
+    every backend: MariaDB's default collations fold all three (the key column is a
+    LockNameField, binary NO PAD there), and a folded key would drop the other's task."""
+    base = f"{key()}:abé"
+    keys = [base, base.replace("ab", "AB"), base.replace("é", "e"), f"{base} "]
+    if connections["default"].vendor == "mysql":
+        with connections["default"].cursor() as cursor:
+            # Not vacuous: the database's own collation folds the three spellings ...
+            cursor.execute("SELECT %s = %s, %s = %s, %s = %s", [
+                keys[0], keys[1], keys[0], keys[2], keys[0], keys[3]])
+            assert cursor.fetchone() == (1, 1, 1)
+            # ... and the key column's does not.
+            cursor.execute(
+                "SELECT COLLATION_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA ="
+                " DATABASE() AND TABLE_NAME = 'distlock_taskkey' AND COLUMN_NAME = 'name'"
+            )
+            assert exact_collation(cursor.fetchone()[0])
+    queued = django_body.using(queue_name="nobody")
+    assert [enqueue_once(k, queued, [k, 0]) for k in keys] == [True] * 4
+    assert [enqueue_once(k, queued, [k, 1]) for k in keys] == [False] * 4  # each covered
+    assert sorted(TaskKey.objects.filter(name__startswith=base[:17]).values_list(
+        "name", flat=True)) == sorted(keys)
+    for k in keys:
+        assert [r.args_kwargs["args"] for r in django_sent(k)] == [[k, 0]]
 
 
 def test_four_processes_enqueueing_one_key_send_exactly_one_task():

@@ -8,10 +8,26 @@ from decimal import Decimal
 
 import pytest
 
-from distlock import Lease, acquire, break_lock, lock, locked, purge_locks
+from distlock import (
+    Lease,
+    aacquire,
+    aacquire_all,
+    acquire,
+    acquire_all,
+    alock,
+    alock_all,
+    alocked,
+    break_lock,
+    lock,
+    lock_all,
+    lock_status,
+    locked,
+    purge_locks,
+)
 from distlock.models import Lock, LockEvent
 from distlock.ops.audit import purge_events
 from distlock.validation import MAX_SECONDS
+from tests.support.helpers import run_async
 
 pytestmark = pytest.mark.usefixtures("lock_db")
 
@@ -65,6 +81,55 @@ def test_bad_names(unchanged, name, error):
         lock(name)
     with pytest.raises(error):
         break_lock(name)
+
+
+# The row names of semaphores and read/write locks, and names that only look like them.
+RESERVED = [
+    "exports#permits", "exports#permit:0", "exports#permit:31", "doc#rw", "doc#write",
+    "doc#read:0", "doc#read:31", "#rw",
+]
+NOT_RESERVED = [
+    "exports#permit", "exports#permits:", "exports#permit:", "exports#permit:x",
+    "doc#rwx", "doc#writer", "doc#read:", "doc#read:1a", "doc#rw ", "doc#Write", "issue#42",
+]
+
+
+@pytest.mark.parametrize("name", RESERVED)
+def test_row_names_of_semaphores_and_rwlocks_are_refused_to_plain_locks(unchanged, name):
+    """Every plain-lock entry point, sync and async, refuses the name before any SQL;
+    the row stays readable and breakable (the admin's way to free a stuck permit)."""
+    reserved = f"{name!r} ends in a suffix reserved"
+    sync_calls = [
+        lambda: acquire(name, ttl=10), lambda: acquire(name, ttl=10, blocking=False),
+        lambda: lock(name), lambda: locked(name)(lambda: None)(),
+        lambda: acquire_all(["ok", name]), lambda: lock_all(["ok", name]),
+    ]
+    for call in sync_calls:
+        with pytest.raises(ValueError, match=reserved):
+            call()
+
+    async def noop() -> None:
+        return None
+
+    async_calls = [
+        lambda: aacquire(name, ttl=10), lambda: alock(name).__aenter__(),
+        lambda: alocked(name)(noop)(), lambda: aacquire_all(["ok", name]),
+        lambda: alock_all(["ok", name]).__aenter__(),
+    ]
+    for make in async_calls:
+        with pytest.raises(ValueError, match=reserved):
+            run_async(make)
+    assert lock_status(name).held is False
+    assert break_lock(name) is False
+
+
+@pytest.mark.parametrize("name", NOT_RESERVED)
+def test_names_that_only_look_reserved_are_plain_locks(name):
+    lease = acquire(name, ttl=10)
+    assert lease is not None and lease.name == name
+    assert lease.release() is True
+    with lock(name) as held:
+        assert held.name == name
 
 
 @pytest.mark.parametrize(("ttl", "error"), BAD_TTLS)

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 
-from distlock.core.async_locks import aacquire, refuse_sync
+from distlock.core.async_locks import aacquire
+from distlock.core.blocks import refuse_sync
 from distlock.core.grants import DEFAULT
 from distlock.core.groups import LeaseGroup, _aeach, _end_one, _GroupBlock, _Plan
 from distlock.core.leases import Lease, LostCallback

@@ -40,16 +40,15 @@ import functools
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import AsyncContextDecorator
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from asgiref.sync import iscoroutinefunction, sync_to_async
+from asgiref.sync import sync_to_async
 
 from distlock.backends.results import Busy
 from distlock.core import grants, uncommitted
-from distlock.core.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
+from distlock.core.blocks import AsyncBlock, refuse_sync
+from distlock.core.grants import DEFAULT, Request, grant_lease, pause_before_retry
 from distlock.core.leases import Lease, LostCallback
 from distlock.core.locks import (
     LockBlock,
@@ -60,7 +59,7 @@ from distlock.core.locks import (
 )
 from distlock.core.purge import purge_locks
 from distlock.core.shielding import shielded
-from distlock.validation import Seconds
+from distlock.validation import Seconds, refuse_reserved
 from distlock.waiting.listener import AsyncWaiter
 
 P = ParamSpec("P")
@@ -106,10 +105,6 @@ def _attempt(request: Request) -> Lease | Busy:
     if isinstance(result, Busy):
         return result
     return grant_lease(request, started, result)
-
-
-def _end_block(lease: Lease) -> None:
-    block_ended(lease, lease.release())
 
 
 async def _try_or_give_back(request: Request) -> Lease | Busy:
@@ -161,6 +156,7 @@ async def aacquire(
         f"task={task.get_name()} {holder}".strip() if task is not None else holder,
         min_hold, max_hold, lock_delay,
     )
+    refuse_reserved(request.name)
     refuse_nested(request.name, request.alias)
     give_up = None if request.wait is None else request.began + request.wait
     attempt = 0
@@ -189,18 +185,7 @@ async def aacquire(
     return result
 
 
-def refuse_sync(func: object, decorator: str) -> None:
-    """Raise TypeError unless ``func`` is a coroutine function: an async lock cannot be
-    held around a plain call without an event loop to wait in."""
-    if not iscoroutinefunction(func):
-        what = getattr(func, "__qualname__", repr(func))
-        raise TypeError(
-            f"{decorator} guards async def functions, and {what}() is not one: use the "
-            "sync lock (lock/locked) for plain functions."
-        )
-
-
-class alock(LockBlock, AsyncContextDecorator):  # noqa: N801 - reads like a function
+class alock(LockBlock, AsyncBlock[Lease]):  # noqa: N801 - reads like a function
     """Hold lock ``name`` for an ``async with`` block (or a decorated coroutine's run).
 
     The async form of :class:`~distlock.core.locks.lock`: ``async with alock("invoice:42",
@@ -212,23 +197,8 @@ class alock(LockBlock, AsyncContextDecorator):  # noqa: N801 - reads like a func
     decorator it takes ``async def`` functions only.
     """
 
-    def __call__(self, func: F) -> F:
-        """Decorate the coroutine function ``func``; a plain function is refused."""
-        refuse_sync(func, "@alock(...)")
-        return super().__call__(func)
-
-    async def __aenter__(self) -> Lease:
-        return self._entered(await aacquire(self.name, **self._options))
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        lease = self._leaving()
-        if lease is not None:
-            # Shielded: the release finishes even if the task is cancelled meanwhile, and
-            # then that cancellation goes on (raised here, not swallowed).
-            await shielded(sync_to_async(_end_block)(lease))
+    async def _atake(self) -> Lease | None:
+        return await aacquire(self.name, **self._options)
 
 
 def alocked(

@@ -34,18 +34,12 @@ from contextlib import ContextDecorator
 from types import TracebackType
 from typing import Any, TypeVar
 
+from distlock.core.blocks import _current, _Held, _running_task, refuse_async
 from distlock.core.grants import DEFAULT, block_ended, wait_limit
 from distlock.core.leases import Lease, LostCallback
-from distlock.core.locks import (
-    _current,
-    _Held,
-    _running_task,
-    acquire,
-    refuse_async,
-    refuse_nested,
-)
+from distlock.core.locks import acquire, refuse_nested
 from distlock.exceptions import LockLost, LockTimeout
-from distlock.validation import Seconds, check_name, check_text, check_ttl, check_using
+from distlock.validation import Seconds, check_lock_name, check_text, check_ttl, check_using
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -164,7 +158,7 @@ def canonical_names(names: object) -> tuple[str, ...]:
         )
     if not isinstance(names, Iterable):
         raise TypeError(f"names must be a collection of lock names, not {type(names).__name__}")
-    checked = [check_name(name) for name in names]
+    checked = [check_lock_name(name) for name in names]
     if not checked:
         raise ValueError("names must hold at least one lock name")
     repeated = sorted(name for name, count in Counter(checked).items() if count > 1)

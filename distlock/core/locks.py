@@ -2,56 +2,51 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import functools
 import inspect
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ContextDecorator, contextmanager
-from types import TracebackType
+from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
-from asgiref.sync import iscoroutinefunction
 from django.db import connections
 
 from distlock import db, signals
 from distlock.backends.results import Busy, Grant
 from distlock.core import grants, policies, uncommitted
-from distlock.core.grants import DEFAULT, Request, block_ended, grant_lease, pause_before_retry
+from distlock.core.blocks import (
+    Block,
+    SyncBlock,
+    _current,
+    _push,
+    _running_task,
+    refuse_async,
+)
+from distlock.core.grants import DEFAULT, Request, grant_lease, pause_before_retry
 from distlock.core.leases import Lease, LostCallback
-from distlock.exceptions import LockTimeout, NestedLock
+from distlock.exceptions import NestedLock
 from distlock.names import NameTemplate
 from distlock.validation import (
     Seconds,
+    check_lock_name,
     check_name,
     check_owner,
     check_text,
     check_token,
     check_ttl,
     check_using,
+    refuse_reserved,
 )
 from distlock.waiting.queue import Turn, Waiter, has_queue, poke, queue_for
 
 P = ParamSpec("P")
 R = TypeVar("R")
-F = TypeVar("F", bound=Callable[..., Any])
-
-# The leases of the lock()/alock() blocks running here, innermost last, each with the
-# asyncio task that entered its block (None: sync code outside any task).
-_Held = tuple[tuple[Lease, asyncio.Task[Any] | None], ...]
-_current: contextvars.ContextVar[_Held] = contextvars.ContextVar("distlock_leases", default=())
 
 
 def current_lease() -> Lease | None:
     """The lease of the innermost ``lock()`` block (or locked task) running here, if any."""
     leases = _current.get()
     return leases[-1][0] if leases else None
-
-
-def _push(lease: Lease) -> contextvars.Token[_Held]:
-    """Put ``lease`` on top of this thread's (or task's) stack of current leases."""
-    return _current.set((*_current.get(), (lease, _running_task())))
 
 
 @contextmanager
@@ -63,13 +58,6 @@ def as_current(lease: Lease) -> Iterator[Lease]:
         yield lease
     finally:
         _current.reset(token)
-
-
-def _running_task() -> asyncio.Task[Any] | None:
-    try:
-        return asyncio.current_task()
-    except RuntimeError:  # no event loop runs in this thread
-        return None
 
 
 def refuse_nested(name: str, alias: str) -> None:
@@ -98,28 +86,6 @@ def refuse_nested(name: str, alias: str) -> None:
             and db.same_database(lease.using, alias)
         ):
             raise NestedLock(name, lease.token, lease.owner)
-
-
-def refuse_async(func: object, decorator: str) -> None:
-    """Raise TypeError if ``func`` is a coroutine or async generator function.
-
-    A sync wrapper would take the lock, call ``func`` — which only creates the coroutine
-    or generator, running none of its body — and release the lock before anything was
-    awaited: the body would run unprotected. Refused at decoration, so it fails at
-    import rather than silently in production.
-    """
-    if iscoroutinefunction(func):
-        kind = "a coroutine function"
-    elif inspect.isasyncgenfunction(func):
-        kind = "an async generator function"
-    else:
-        return
-    what = getattr(func, "__qualname__", repr(func))
-    raise TypeError(
-        f"{decorator} cannot guard {what}(), {kind}: distlock's sync lock would be taken "
-        "and released around creating it, not around running it. Use the async API "
-        "(alock/alocked) in async code, or call the sync lock inside sync_to_async."
-    )
 
 
 def acquire(
@@ -160,6 +126,7 @@ def acquire(
     request = Request(
         name, ttl, blocking, timeout, using, holder, min_hold, max_hold, lock_delay
     )
+    refuse_reserved(request.name)
     refuse_nested(request.name, request.alias)
     uncommitted.refuse_if_holding(request.name, request.alias, request.doing)
     give_up = None if request.wait is None else request.began + request.wait
@@ -228,10 +195,8 @@ def _wait_in_turn(
             waiter.stop()
 
 
-class LockBlock:
-    """What ``lock`` and ``alock`` share: options checked at construction, and the stack of
-    leases that :func:`current_lease` reads (a ContextVar, so each thread and each asyncio
-    task sees its own)."""
+class LockBlock(Block[Lease]):
+    """What ``lock`` and ``alock`` share: their options, checked at construction."""
 
     def __init__(
         self,
@@ -247,43 +212,16 @@ class LockBlock:
         max_hold: Seconds | None = DEFAULT,
         lock_delay: Seconds | None = DEFAULT,
     ) -> None:
-        # Check everything now, so a bad decorator fails at import, not at first call.
-        check_name(name)
+        check_lock_name(name)
         policies.resolve(check_ttl(ttl), min_hold, max_hold, lock_delay)
-        grants.wait_limit(timeout)
-        check_text(holder, "holder")
-        if using is not None:
-            check_using(using)
-        self.name = name
-        self._options: dict[str, Any] = {
+        self._keep(name, {
             "ttl": ttl, "timeout": timeout, "using": using,
             "holder": holder, "auto_renew": auto_renew, "on_lost": on_lost,
             "min_hold": min_hold, "max_hold": max_hold, "lock_delay": lock_delay,
-        }
-        self.lease: Lease | None = None
-        self._token: contextvars.Token[_Held] | None = None
-
-    def _recreate_cm(self) -> Any:
-        # A decorated function may run in several threads (or tasks) at once: one lock
-        # object each.
-        return type(self)(self.name, **self._options)
-
-    def _entered(self, lease: Lease | None) -> Lease:
-        if lease is None:
-            raise LockTimeout(self.name, grants.wait_limit(self._options["timeout"]))
-        self.lease = lease
-        self._token = _push(lease)
-        return lease
-
-    def _leaving(self) -> Lease | None:
-        lease, self.lease = self.lease, None
-        if self._token is not None:
-            _current.reset(self._token)
-            self._token = None
-        return lease
+        })
 
 
-class lock(LockBlock, ContextDecorator):  # noqa: N801 - reads like a function, as contextlib's do
+class lock(LockBlock, SyncBlock[Lease]):  # noqa: N801 - reads like a function, as contextlib's do
     """Hold lock ``name`` for a ``with`` block (or a decorated function's call).
 
     ``with lock("invoice:42", ttl=30, timeout=10) as lease:`` waits up to ``timeout``
@@ -296,25 +234,11 @@ class lock(LockBlock, ContextDecorator):  # noqa: N801 - reads like a function, 
     writes with fencing (``save(fence=lease)``) to make a stale holder's writes fail.
 
     As a decorator it refuses ``async def`` functions with TypeError (see
-    :func:`refuse_async`; ``alock`` is the async form).
+    :func:`~distlock.core.blocks.refuse_async`; ``alock`` is the async form).
     """
 
-    def __call__(self, func: F) -> F:
-        """Decorate ``func``; a coroutine or async generator function is refused."""
-        refuse_async(func, "@lock(...)")
-        return super().__call__(func)
-
-    def __enter__(self) -> Lease:
-        return self._entered(acquire(self.name, **self._options))
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        lease = self._leaving()
-        if lease is None:
-            return
-        block_ended(lease, lease.release())
+    def _take(self) -> Lease | None:
+        return acquire(self.name, **self._options)
 
 
 def name_template(

@@ -31,12 +31,11 @@ from distlock import db, signals
 from distlock.backends import backend_for
 from distlock.backends.results import Busy, Grant
 from distlock.core import grants
-from distlock.core.grants import Request, block_ended
+from distlock.core.blocks import _current, _running_task
+from distlock.core.grants import Request
 from distlock.core.leases import Lease, LostCallback
-from distlock.core.locks import _current, _push, _running_task
 from distlock.core.shielding import shielded
-from distlock.exceptions import LockTimeout, NestedLock
-from distlock.validation import check_text, check_ttl, check_using
+from distlock.exceptions import NestedLock
 
 # The back-off stops doubling after this many refused tries: DISTLOCK_POLL_INTERVAL × 8
 # at most (0.16 s by default; never above DISTLOCK_POLL_MAX_INTERVAL). Nothing wakes a
@@ -190,56 +189,3 @@ def async_holder(holder: str) -> str:
     task = asyncio.current_task()
     return f"task={task.get_name()} {holder}".strip() if task is not None else holder
 
-
-class PermitBlock:
-    """What the ``with`` / ``async with`` blocks of permits share: the lease stack that
-    ``current_lease()`` reads, and the end of the block."""
-
-    name: str
-    _timeout: Any
-    _options: dict[str, Any]
-
-    def __init__(self) -> None:
-        self.permit: Permit | None = None
-        self._token: Any = None
-
-    def _keep(self, name: str, options: dict[str, Any]) -> None:
-        """Check a block's options now (a bad decorator fails at import, not at its first
-        call) and keep them for each entry's acquire; ``name`` is already checked."""
-        check_ttl(options["ttl"])
-        grants.wait_limit(options["timeout"])
-        check_text(options["holder"], "holder")
-        if options["using"] is not None:
-            check_using(options["using"])
-        self.name = name
-        self._timeout = options["timeout"]
-        self._options = options
-
-    def _entered(self, permit: Permit | None) -> Permit:
-        if permit is None:
-            raise LockTimeout(self.name, grants.wait_limit(self._timeout))
-        self.permit = permit
-        self._token = _push(permit)
-        return permit
-
-    def _leaving(self) -> Permit | None:
-        permit, self.permit = self.permit, None
-        if self._token is not None:
-            _current.reset(self._token)
-            self._token = None
-        return permit
-
-    def _end(self) -> None:
-        permit = self._leaving()
-        if permit is not None:
-            block_ended(permit, permit.release())
-
-    async def _aend(self) -> None:
-        permit = self._leaving()
-        if permit is not None:
-            # Shielded: a cancellation lets the release finish, then goes on.
-            await shielded(sync_to_async(block_ended_after_release)(permit))
-
-
-def block_ended_after_release(permit: Permit) -> None:
-    block_ended(permit, permit.release())
