@@ -171,7 +171,7 @@ class Server:
                 with contextlib.suppress(OSError, ValueError, IndexError):
                     pid = int(pid_file.read_text().split()[0])
                     os.kill(pid, signal.SIGQUIT)
-                    wait_until(lambda: not _alive(pid), 30, f"postmaster {pid} to exit")
+                    wait_until(lambda: not alive(pid), 30, f"postmaster {pid} to exit")
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- talking to it -----------------------------------------------------------------------
@@ -235,11 +235,12 @@ def stop_leftovers(label: str) -> None:
             pid = int(pid_file.read_text().split()[0])
             if "postgres" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
                 os.kill(pid, signal.SIGQUIT)
-                wait_until(lambda pid=pid: not _alive(pid), 30, f"postmaster {pid} to exit")
+                wait_until(lambda pid=pid: not alive(pid), 30, f"postmaster {pid} to exit")
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Is process ``pid`` still there (signal 0)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -25,6 +26,29 @@ from lab.scenarios import Event, Trial, measure, reissued
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = os.environ.get("DISTLOCK_TEST_DB_SUFFIX", "")
+CLIENTS_OWN_DATABASE = "the lab's clients connect to a database of their own"
+
+
+def lab_process_test(pooler_reason: str, program: str | None = None, package: str = "") -> Any:
+    """The marks of a test that runs the lab with real processes: slow, in the PostgreSQL
+    pass (the lab keeps its resource there), and, outside CI, only where ``program`` (from
+    Debian's ``package``) is installed."""
+    marks = [
+        pytest.mark.slow, pytest.mark.processes, pytest.mark.no_pooler(pooler_reason),
+        pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
+                           reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass"),
+    ]
+    if program is not None:
+        marks.append(pytest.mark.skipif(
+            shutil.which(program) is None and os.environ.get("CI") != "true",
+            reason=f"needs Debian's {package}"))
+
+    def mark(test: Any) -> Any:
+        for each in reversed(marks):
+            test = each(test)
+        return test
+
+    return mark
 
 
 def history(*events: tuple[str, str, float, object]) -> Trial:
@@ -88,13 +112,7 @@ def lab_database() -> str:
     return urlunsplit(url._replace(path=f"/distlock_lab_test{SUFFIX}"))
 
 
-@pytest.mark.slow
-@pytest.mark.processes
-@pytest.mark.no_pooler("the lab's clients connect to a database of their own")
-@pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
-                    reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass")
-@pytest.mark.skipif(shutil.which("redis-server") is None and os.environ.get("CI") != "true",
-                    reason="needs Debian's redis-server")
+@lab_process_test(CLIENTS_OWN_DATABASE, "redis-server", "redis-server")
 def test_pause_redis_accepts_the_stale_write_and_distlock_fenced_refuses_it(
         tmp_path: Path) -> None:
     results_file = tmp_path / "results.json"
@@ -144,11 +162,7 @@ def lab_run(tmp_path: Path, *args: str) -> dict[str, tuple[int, ...]]:
             tuple(c[column] for column in columns) for c in results["cells"]}
 
 
-@pytest.mark.slow
-@pytest.mark.processes
-@pytest.mark.no_pooler("the lab runs its own PostgreSQL primary and standby")
-@pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
-                    reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass")
+@lab_process_test("the lab runs its own PostgreSQL primary and standby")
 def test_pg_failover_reissues_the_lost_grants_token_only_without_follow_or_step(
         tmp_path: Path) -> None:
     """A grant the standby never received, then the primary's crash and the standby's
@@ -164,13 +178,7 @@ def test_pg_failover_reissues_the_lost_grants_token_only_without_follow_or_step(
     assert cells["distlock-fenced pg-failover-nostep on"] == (1, 1, 0, 1, 1, 1, 0, 1)
 
 
-@pytest.mark.slow
-@pytest.mark.processes
-@pytest.mark.no_pooler("the lab's clients connect to a database of their own")
-@pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
-                    reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass")
-@pytest.mark.skipif(shutil.which("etcd") is None and os.environ.get("CI") != "true",
-                    reason="needs Debian's etcd-server")
+@lab_process_test(CLIENTS_OWN_DATABASE, "etcd", "etcd-server")
 def test_etcd_member_loss_the_leader_the_clients_use_keeps_the_lock(tmp_path: Path) -> None:
     """The etcd leader, which is the member the clients talk to, killed while A holds:
     the other two elect a leader, B (asking through the next member) is not granted while

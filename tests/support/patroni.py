@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.pg_servers import alive
 from lab.servers import EtcdCluster, free_port
 from tests.support import netns
 from tests.support.helpers import wait_until
@@ -91,7 +92,7 @@ class Member:
     def server_pids(self) -> list[int]:
         """The postmaster and every process it forked (backends, WAL senders …)."""
         main = self.postmaster_pid()
-        if main is None or not _alive(main):
+        if main is None or not alive(main):
             return []
         found = [main]
         for entry in Path("/proc").iterdir():
@@ -314,11 +315,11 @@ class Patroni:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
             main = member.postmaster_pid()
-            if main is not None and _alive(main):
+            if main is not None and alive(main):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(main, signal.SIGQUIT)
                 with contextlib.suppress(TimeoutError):
-                    wait_until(lambda main=main: not _alive(main), 30, f"postmaster {main}")
+                    wait_until(lambda main=main: not alive(main), 30, f"postmaster {main}")
         self.etcd.stop()
         if self.isolated is not None:
             self.isolated.remove()
@@ -512,11 +513,3 @@ def _account() -> pwd.struct_passwd | None:
         return pwd.getpwnam("postgres")
     except KeyError:
         raise Unavailable("running as root and there is no postgres user") from None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
