@@ -187,7 +187,9 @@ class TaskKey(models.Model):
     sent and has not started, until ``queued_until_us``) and the *running* slot (a run of
     it is in its body, until ``running_until_us``). A worker killed mid-run leaves its
     slot behind; it stops counting at its end, so no key is blocked past its ttl.
-    ``generation`` counts the sends: a debounced run that is not the latest skips.
+    ``generation`` grows by one with each send, from the database clock (µs) when the row
+    was made, so a key purged and enqueued again never repeats an old message's: a
+    debounced run that is not the latest skips.
     """
 
     name = LockNameField(max_length=MAX_NAME_LENGTH, primary_key=True, editable=False)

@@ -47,7 +47,12 @@ from distlock.integrations.policies import (
     task_lock_busy,
 )
 from distlock.integrations.taskfunc import TaskFunction, check_options, run_locked
-from distlock.integrations.unique import aenqueue_once, enqueue_once, unique_task
+from distlock.integrations.unique import (
+    aenqueue_once,
+    enqueue_once,
+    purge_task_keys,
+    unique_task,
+)
 from distlock.validation import Seconds, check_ttl
 
 if TYPE_CHECKING:
@@ -55,7 +60,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ContentionPolicy", "LockContended", "Raise", "Retry", "Skip", "Wait", "aenqueue_once",
-    "enqueue_once", "locked_task", "task_lock_busy", "unique_task", "visibility_timeout",
+    "enqueue_once", "locked_task", "purge_task_keys", "task_lock_busy", "unique_task",
+    "visibility_timeout",
 ]
 
 logger = logging.getLogger("distlock.integrations.celery")

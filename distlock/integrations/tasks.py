@@ -87,7 +87,12 @@ from distlock.integrations.policies import (
     task_lock_busy,
 )
 from distlock.integrations.taskfunc import TaskFunction, arun_locked, check_options, run_locked
-from distlock.integrations.unique import aenqueue_once, enqueue_once, unique_task
+from distlock.integrations.unique import (
+    aenqueue_once,
+    enqueue_once,
+    purge_task_keys,
+    unique_task,
+)
 from distlock.validation import Seconds, check_ttl
 
 if TYPE_CHECKING:
@@ -95,7 +100,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CannotRequeue", "ContentionPolicy", "LockContended", "Raise", "Retry", "Skip", "Wait",
-    "aenqueue_once", "enqueue_once", "locked_task", "task_lock_busy", "unique_task",
+    "aenqueue_once", "enqueue_once", "locked_task", "purge_task_keys", "task_lock_busy",
+    "unique_task",
 ]
 
 logger = logging.getLogger("distlock.integrations.tasks")

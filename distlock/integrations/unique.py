@@ -50,11 +50,13 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from distlock.constants import HOLDER_LENGTH
+from distlock.constants import HOLDER_LENGTH, PURGE_BATCH
 from distlock.constants import TASK_KEY_TABLE as TABLE
-from distlock.validation import check_name, check_seconds, check_ttl, check_using
+from distlock.validation import Seconds, check_name, check_seconds, check_ttl, check_using
 
-__all__ = ["POLICIES", "UNIQUE_KWARG", "aenqueue_once", "enqueue_once", "unique_task"]
+__all__ = [
+    "POLICIES", "UNIQUE_KWARG", "aenqueue_once", "enqueue_once", "purge_task_keys", "unique_task",
+]
 
 logger = logging.getLogger("distlock.integrations.unique")
 
@@ -246,10 +248,18 @@ def _claim_key(connection: BaseDatabaseWrapper, plan: _Plan) -> int | None:
 
     backend = backend_for(connection)
     with connection.cursor() as cursor:
+        # A new key row's generations start at the database clock (µs), not at 0: a key
+        # that distlock_purge deleted and that comes back must not send a generation that
+        # an old message of it, still in a queue, carries (that run would pass for the
+        # latest). Each send adds 1 and takes far longer than a µs (the row lock orders
+        # them), so a row's generations stay below the clock of its last send, and the
+        # clock when the key comes back is past that (unless the server's clock is set
+        # back by more than the key was idle: docs/deduplicating-tasks.md).
         cursor.execute(
             backend.upsert_locking(
                 TABLE, "(name, task, policy, generation, ttl_us, running_owner)",
-                "VALUES (%s, %s, %s, 0, %s, '')", key="name", touch="generation",
+                f"VALUES (%s, %s, %s, {backend.now_sql()}, %s, '')", key="name",
+                touch="generation",
             ),
             [plan.key, plan.task_name, plan.policy, plan.ttl_us],
         )
@@ -418,3 +428,77 @@ class _Run:
                 "WHERE name = %s AND running_owner = %s",
                 [self.key, self.owner],
             )
+
+
+# -- purging ------------------------------------------------------------------------------
+
+#: A key row is idle when every time it holds (both slots' ends, the last send, the last
+#: start, a waiting run's start) is at least ``idle`` µs (the parameter) before the
+#: database clock: no slot of it counts, and no enqueue or run touched it since.
+_IDLE = " AND ".join(
+    f"COALESCE({column}, 0) <= {{now}} - %s"
+    for column in ("queued_until_us", "running_until_us", "enqueued_us", "started_us",
+                   "waiting_us")
+)
+
+
+def purge_task_keys(*, idle: Seconds = timedelta(days=1), using: str | None = None) -> int:
+    """Delete the key rows of :func:`enqueue_once` that have been idle for at least
+    ``idle`` (by the database clock); return how many.
+
+    Key rows stay after their slots end (the next enqueue of the key finds its policy and
+    generation there), so a site that makes keys of ids grows one row per id for good;
+    ``distlock_purge`` calls this with its ``--idle``. A key that comes back after its row
+    was deleted starts again with nothing queued or running, and at a generation no
+    earlier message of it carries (new rows start at the database clock, _claim_key), so
+    a debounced message still in a queue from before the purge skips its body. A row that
+    an enqueue or a run touches while the purge runs is kept: the delete checks the same
+    condition again on the row it deletes. Deletes in batches of PURGE_BATCH names, one
+    short transaction each (distlock/core/batches.py). Raises TypeError/ValueError for a bad
+    ``idle`` or ``using`` (nothing is deleted).
+    """
+    from distlock.core.batches import in_batches
+
+    seconds = check_seconds(idle, "idle")
+    if seconds < 0:
+        raise ValueError(f"idle must not be negative, not {seconds}")
+    alias = check_using(using)
+    idle_us = round(seconds * 1e6)
+
+    def batch() -> tuple[int, bool]:
+        return _purge_batch(alias, idle_us, PURGE_BATCH)
+
+    return sum(deleted for deleted, _ in in_batches(alias, batch))
+
+
+def count_idle_task_keys(idle_us: int, using: str) -> int:
+    """How many key rows :func:`purge_task_keys` would delete now (its dry run)."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(f"SELECT COUNT(*) FROM {TABLE} WHERE {_idle(using)}", [idle_us] * 5)
+        return int(cursor.fetchone()[0])
+
+
+def _idle(alias: str) -> str:
+    from distlock.backends import backend_for
+
+    return _IDLE.format(now=backend_for(connections[alias]).now_sql())
+
+
+def _purge_batch(alias: str, idle_us: int, size: int) -> tuple[int, bool]:
+    """Delete up to ``size`` idle key rows; (rows deleted, whether there may be more).
+    The names are read first, then deleted under the same condition, which the delete
+    evaluates on each row it locks, so a row claimed in between stays."""
+    idle = _idle(alias)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            f"SELECT name FROM {TABLE} WHERE {idle} ORDER BY name LIMIT {int(size)}",
+            [idle_us] * 5,
+        )
+        names = [name for (name,) in cursor.fetchall()]
+        if not names:
+            return 0, False
+        marks = ", ".join(["%s"] * len(names))
+        cursor.execute(
+            f"DELETE FROM {TABLE} WHERE name IN ({marks}) AND {idle}", [*names, *[idle_us] * 5]
+        )
+        return cursor.rowcount, len(names) == size

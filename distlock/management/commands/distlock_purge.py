@@ -1,7 +1,7 @@
-"""Delete lock rows free or expired for at least --idle (default 1d) and audit events older
-than --events-older-than (default DISTLOCK_AUDIT_RETENTION; with audit off, only when
-given). Durations: seconds or 90s, 15m, 12h, 7d, 2w. --dry-run counts what would be
-deleted and deletes nothing.
+"""Delete lock rows free or expired for at least --idle (default 1d), enqueue_once's task
+keys idle as long, and audit events older than --events-older-than (default
+DISTLOCK_AUDIT_RETENTION; with audit off, only when given). Durations: seconds or 90s,
+15m, 12h, 7d, 2w. --dry-run counts what would be deleted and deletes nothing.
 
 Thin over :func:`distlock.purge_locks` (which raises the token floor to every token it
 deletes, so a purged name that comes back still gets a higher token) and
@@ -21,6 +21,7 @@ from django.core.management.base import CommandError, CommandParser
 from distlock.conf import conf
 from distlock.core.purge import purge_locks
 from distlock.core.status import database_now, duration
+from distlock.integrations.unique import count_idle_task_keys, purge_task_keys
 from distlock.management.commands._common import LockCommand, parse_duration
 from distlock.models import Lock, LockEvent
 from distlock.ops.audit import purge_events, retention
@@ -58,15 +59,23 @@ class Command(LockCommand):
         # durations within what purge_locks and purge_events accept).
         dry = options["dry_run"]
         idle_words = duration(idle.total_seconds())
+        idle_us = round(idle.total_seconds() * 1e6)
         if dry:
             # purge_look's condition (backends/floor.py): free or expired at least idle.
-            cutoff = database_now(alias) - round(idle.total_seconds() * 1e6)
+            cutoff = database_now(alias) - idle_us
             would = Lock.objects.using(alias).filter(expires_us__lte=cutoff).count()
             self.stdout.write(f"Would delete {would} lock row(s) idle for at least "
                               f"{idle_words} (dry run: nothing deleted).")
+            keys = count_idle_task_keys(idle_us, alias)
         else:
             locks = purge_locks(idle=idle, using=alias)
             self.stdout.write(f"Deleted {locks} lock row(s) idle for at least {idle_words}.")
+            keys = purge_task_keys(idle=idle, using=alias)
+        # enqueue_once's key rows, idle as long: a line only when there are any, so a site
+        # that does not use enqueue_once reads nothing about it.
+        if keys:
+            verb = "Would delete" if dry else "Deleted"
+            self.stdout.write(f"{verb} {keys} task key(s) idle for at least {idle_words}.")
         # With audit off there is no history to keep tidy (unless asked for by age): a
         # line about audit events would only puzzle a site that never turned it on.
         if options["skip_events"] or (events is None and not conf.AUDIT):
