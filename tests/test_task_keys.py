@@ -11,7 +11,7 @@ from io import StringIO
 
 import pytest
 from django.core.management import call_command
-from django.db import connections
+from django.db import connections, transaction
 from django_tasks_db.models import DBTaskResult
 
 from distlock.db import db_now_us
@@ -122,6 +122,20 @@ def test_more_keys_than_a_batch_are_all_purged(monkeypatch):
         idle_row(name)
     assert purge_task_keys(idle=60) == 7
     assert not TaskKey.objects.filter(name__in=names).exists()
+
+
+class Rollback(Exception):
+    pass
+
+
+def test_a_purge_inside_the_callers_transaction_is_part_of_it():
+    k = key()
+    idle_row(k)
+    with pytest.raises(Rollback), transaction.atomic():
+        assert purge_task_keys(idle=60) == 1
+        assert not TaskKey.objects.filter(name=k).exists()
+        raise Rollback
+    assert TaskKey.objects.filter(name=k).exists()  # rolled back with the caller's work
 
 
 @pytest.mark.parametrize(
