@@ -27,11 +27,13 @@ from tests.factories import AccountFactory, OrderFactory, SheetFactory, SlotFact
 from tests.testapp.models import (
     Account,
     Counter,
+    Customer,
     Document,
     HighWaterAccount,
     Ledger,
     Order,
     Sheet,
+    Shipment,
     Slot,
 )
 
@@ -449,6 +451,43 @@ def test_bulk_fenced_update_refuses_joins_and_the_token_column():
         Order.objects.filter(customer_id=1).update(fence_token=1)
     with pytest.raises(TypeError, match="Lease"):
         Order.objects.filter(customer_id=1).fenced_update("customer:1", status="x")
+
+
+def test_bulk_fenced_writes_refuse_a_filter_through_a_join():
+    """One join is refused as much as several: on MariaDB and MySQL, Django would read the
+    ids first and update them without the fence's condition."""
+    customer = Customer.objects.create(name="c")
+    lease = acquire(f"customer:{customer.pk}", ttl=30)
+    Shipment.objects.fenced_create(lease, customer=customer)
+    through_join = Shipment.objects.filter(customer__name="c")
+    with pytest.raises(ValueError, match="no joins"):
+        through_join.fenced_update(lease, status="sent")
+    with pytest.raises(ValueError, match="no joins"):
+        through_join.fenced_delete(lease)
+    assert list(Shipment.objects.values_list("status", flat=True)) == ["new"]
+    own = Shipment.objects.filter(customer_id=customer.pk)
+    assert own.fenced_update(lease, status="sent") == 1
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "locks"])
+def test_fenced_delete_deletes_only_the_rows_it_claimed():
+    """A row another connection inserts between the claim and the delete (in READ
+    COMMITTED the delete sees it) was not fenced: it stays."""
+    if connections["default"].vendor == "sqlite":
+        pytest.skip("one writer per file: no row can be inserted inside the delete's transaction")
+    ledger = acquire("ledger", ttl=30)
+    Ledger.objects.fenced_create(ledger, entry="c")
+
+    def insert_after_the_claim(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.lstrip().upper().startswith("UPDATE") and "ledger" in sql.lower():
+            Ledger.objects.using("locks").create(entry="c")
+        return result
+
+    with connections["default"].execute_wrapper(insert_after_the_claim):
+        count, _ = Ledger.objects.filter(entry="c").fenced_delete(ledger)
+    assert count == 1
+    assert list(Ledger.objects.values_list("entry", "fence_token")) == [("c", 0)]
 
 
 def test_fenced_delete_and_fenced_create():

@@ -148,3 +148,18 @@ class CollatedPair(FencedModel):
     left = models.CharField(max_length=50)
     right = models.CharField(max_length=50)
     value = models.IntegerField(default=0)
+
+
+class Customer(models.Model):
+    """A plain model that fenced rows point at: a filter through it is a join."""
+
+    name = models.CharField(max_length=50)
+
+
+class Shipment(FencedModel):
+    """Rows of a customer behind a foreign key, guarded by that customer's lock."""
+
+    fence_name = "customer:{customer_id}"
+
+    customer = models.ForeignKey(Customer, on_delete=models.CASCADE)
+    status = models.CharField(max_length=20, default="new")
