@@ -247,6 +247,26 @@ def test_a_failing_audit_insert_does_not_break_locking(audit, caplog):
     assert Lock.objects.get(name="sturdy").is_free
 
 
+def test_a_failing_audit_insert_leaves_the_callers_transaction_usable(audit, caplog):
+    """The insert runs in a savepoint: on PostgreSQL a failed statement would otherwise
+    abort the caller's whole transaction, which caught the StaleToken and goes on."""
+    account = Account.objects.create()
+    lease = acquire(f"account:{account.pk}", ttl=30)
+    make_stale(lease)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE distlock_lockevent RENAME TO distlock_lockevent_away")
+    try:
+        with caplog.at_level(logging.ERROR, logger="distlock.ops.audit"), transaction.atomic():
+            with pytest.raises(StaleToken):
+                account.save(fence=lease)
+            Account.objects.create(balance=7)  # the caller's own work goes on
+        assert "could not record stale_write" in caplog.text
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE distlock_lockevent_away RENAME TO distlock_lockevent")
+    assert Account.objects.filter(balance=7).exists()
+
+
 def test_purge_events_by_age(audit):
     acquire("p", ttl=30).release()
     now = db_now_us("default")
