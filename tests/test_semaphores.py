@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from importlib import import_module
 from typing import Any
 
@@ -17,15 +18,19 @@ from distlock import (
     NestedLock,
     Permit,
     StaleToken,
+    TokenExhausted,
     TransactionNotAllowed,
     aacquire_permit,
     acquire_permit,
     asemaphore,
     asemaphore_status,
     current_lease,
+    purge_locks,
     semaphore,
     semaphore_status,
+    signals,
 )
+from distlock.constants import MAX_TOKEN
 from distlock.core.status import HELD, locks
 from distlock.integrations.celery import locked_task as celery_locked_task
 from distlock.integrations.tasks import locked_task as tasks_locked_task
@@ -96,6 +101,94 @@ def test_tokens_rise_per_semaphore_name_not_per_row():
     assert third.token > second.token > first.token
     second.release()
     third.release()
+
+
+def test_after_n_is_lowered_only_rows_below_it_are_granted():
+    """The rows at or above a lowered N still count while held, and are never granted
+    again: with every row free, twenty grants at N = 2 take rows 0 and 1 only."""
+    first = [acquire_permit("sem:low", permits=3, ttl=30) for _ in range(3)]
+    for permit in first:
+        assert permit is not None
+        permit.release()
+    taken = set()
+    for _ in range(20):
+        permit = acquire_permit("sem:low", permits=2, ttl=30, blocking=False)
+        assert permit is not None
+        taken.add(permit.name)
+        permit.release()
+    assert taken <= {"sem:low#permit:0", "sem:low#permit:1"}
+
+
+def test_grants_spread_over_the_permit_rows():
+    """A grant starts at a random free row, so holders do not all meet on row 0 (each
+    grant and release locks the row it takes)."""
+    taken = set()
+    for _ in range(20):
+        permit = acquire_permit("sem:spread", permits=5, ttl=30, blocking=False)
+        assert permit is not None
+        taken.add(permit.name)
+        permit.release()
+    assert len(taken) > 1
+
+
+def test_a_waiter_is_granted_when_the_first_permit_ends_not_the_last(settings):
+    """A refused try is told when the first held permit ends, and its next try comes then
+    (not after the back-off, set to 10-20 s here, nor at the last permit's end)."""
+    settings.DISTLOCK_POLL_INTERVAL = 20
+    settings.DISTLOCK_POLL_MAX_INTERVAL = 60
+    short = acquire_permit("sem:first", permits=2, ttl=1)
+    long = acquire_permit("sem:first", permits=2, ttl=60)
+    assert short is not None and long is not None
+    started = time.monotonic()
+    waiter = acquire_permit("sem:first", permits=2, ttl=30, timeout=30)
+    assert waiter is not None and waiter.name == short.name
+    assert time.monotonic() - started < 8  # 1 s to the short permit's end, then one try
+    waiter.release()
+    long.release()
+
+
+def test_a_permit_taken_over_from_an_expired_holder_says_whose():
+    seen = []
+
+    def receiver(sender, lease, took_over="", **kwargs):
+        seen.append((lease.name, took_over))
+
+    expired = acquire_permit("sem:over", permits=1, ttl=30, holder="sleepy worker")
+    assert expired is not None
+    make_stale(expired)
+    signals.lock_acquired.connect(receiver)
+    try:
+        permit = acquire_permit("sem:over", permits=1, ttl=30)
+    finally:
+        signals.lock_acquired.disconnect(receiver)
+    assert permit is not None
+    assert seen == [(permit.name, expired.holder)]
+    assert expired.holder.endswith("sleepy worker")
+    permit.release()
+
+
+def test_a_semaphore_at_the_last_token_is_exhausted_and_grants_nothing():
+    permit = acquire_permit("sem:full", permits=2, ttl=30)
+    assert permit is not None
+    permit.release()
+    Lock.objects.filter(name="sem:full#permits").update(token=MAX_TOKEN)
+    with pytest.raises(TokenExhausted):
+        acquire_permit("sem:full", permits=2, ttl=30)
+    assert not Lock.objects.filter(name__startswith="sem:full").exclude(owner="").exists()
+
+
+def test_a_purged_semaphore_comes_back_above_its_old_tokens():
+    """purge_locks deletes the idle head and permit rows; the name's next grant starts at
+    the token floor, above every token it had."""
+    permits = [acquire_permit("sem:purged", permits=2, ttl=30) for _ in range(2)]
+    for permit in permits:
+        assert permit is not None
+        permit.release()
+    assert purge_locks(idle=0) >= 3
+    assert not Lock.objects.filter(name__startswith="sem:purged").exists()
+    again = acquire_permit("sem:purged", permits=2, ttl=30)
+    assert again is not None and again.token > max(p.token for p in permits)
+    again.release()
 
 
 def test_release_checks_owner_and_token_of_the_permit():
