@@ -1,7 +1,7 @@
 """A network partition between a lock holder's host and the database (S5, S7).
 
 Two "hosts" are network namespaces joined to this machine by veth pairs
-(tests/support/netns.py); a private PostgreSQL server (tests/support/pg_clusters.py)
+(lab/netns.py, named per run); a private PostgreSQL server (tests/support/pg_clusters.py)
 listens on the root ends. Host A runs a holder process and a probe, host B a holder,
 each a real Python process started with ``ip netns exec`` (tests/support/
 partition_workers.py), reaching the database only over its own link.
@@ -47,11 +47,11 @@ from typing import Any
 
 import pytest
 
+from lab import netns
+from lab.netns import Host
 from tests.stress import checker
 from tests.stress.harness import HISTORY, trigger_statements
-from tests.support import netns
 from tests.support.helpers import wait_until
-from tests.support.netns import Host
 from tests.support.pg_clusters import Server, Unavailable, django_env, stop_leftovers
 from tests.support.processes import Child, Children
 
@@ -114,7 +114,7 @@ def hosts() -> Iterator[dict[str, Host]]:
         pytest.skip(f"this machine cannot run the partition test: {exc}")
     netns.remove_leftovers()
     stop_leftovers("partition")
-    made = {"a": Host("a", 1), "b": Host("b", 2)}
+    made = {"a": Host("a"), "b": Host("b")}
     try:
         for host in made.values():
             host.create()

@@ -48,9 +48,9 @@ from pathlib import Path
 
 import pytest
 
+from lab import netns
 from tests.stress import checker
 from tests.stress.harness import HISTORY, Profile, read_histories, trigger_statements
-from tests.support import netns
 from tests.support.failover import (
     Analysis,
     Outcome,
