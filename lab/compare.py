@@ -2,7 +2,8 @@
 
     scripts/compare                      # 20 trials a cell, every contender and scenario
     scripts/compare --quick              # one trial a cell, short rates (CI); the
-                                         # pg-failover* cells for distlock-fenced only
+                                         # pg-failover* and partition cells for
+                                         # distlock-fenced only
     scripts/compare --trials 5 --contenders redis,etcd --scenarios pause --html r.html
 
 Exits 1 if a control (fault off) shows an overlap, a stale write or a lost update: then
@@ -85,7 +86,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="one trial a cell and 1 s rates (proves the lab runs); the "
-                        "pg-failover* scenarios for distlock-fenced only")
+                        "pg-failover* and partition scenarios for distlock-fenced only")
     parser.add_argument("--trials", type=int, help="trials per cell (default 20; --quick 1)")
     parser.add_argument("--ttl", type=float, default=2.0,
                         help="lease length in the pause scenarios, seconds (default 2)")
@@ -178,6 +179,16 @@ def pg_pair() -> Replicated:
     return pair
 
 
+def has_cell(args: argparse.Namespace, contender: str, scenario: str) -> bool:
+    """Whether this run has the cell ``contender`` × ``scenario``."""
+    if scenario not in args.scenarios or contender not in APPLIES[scenario]:
+        return False
+    # --quick, CI's budget: these scenarios' distlock-fenced cell alone (the same lock as
+    # unfenced distlock; the fenced cell also shows the resource's refusal).
+    return not (args.quick and scenario in (*PG_VARIANTS, "partition")
+                and contender != "distlock-fenced")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     migrate(args.postgres)
@@ -190,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pair_resource: Resource | None = None
     network: Network | None = None  # the partition scenario's (one per run)
     try:
-        if "partition" in args.scenarios and set(args.contenders) & set(APPLIES["partition"]):
+        if any(has_cell(args, contender, "partition") for contender in args.contenders):
             network = Network()
             try:
                 network.start()
@@ -205,10 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             etcd.start()
         for contender in args.contenders:
             for scenario in args.scenarios:
-                if contender not in APPLIES[scenario]:
+                if not has_cell(args, contender, scenario):
                     continue
-                if args.quick and scenario in PG_VARIANTS and contender != "distlock-fenced":
-                    continue  # CI's budget: the same lock; the fenced cell also shows writes
                 on_network = scenario == "partition"
                 if on_network and network is None:
                     continue  # noted above
