@@ -2,7 +2,8 @@
 
     scripts/compare                      # 20 trials a cell, every contender and scenario
     scripts/compare --quick              # one trial a cell, short rates (CI); the
-                                         # pg-failover* cells for distlock-fenced only
+                                         # pg-failover* and partition cells for
+                                         # distlock-fenced only
     scripts/compare --trials 5 --contenders redis,etcd --scenarios pause --html r.html
 
 Exits 1 if a control (fault off) shows an overlap, a stale write or a lost update: then
@@ -20,9 +21,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lab import report
+from lab import netns, report
 from lab.django_setup import create_database, database, migrate_in_child
-from lab.pg_servers import Replicated
+from lab.pg_servers import Replicated, Server
 from lab.scenarios import (
     APPLIES,
     CONTENDERS,
@@ -85,7 +86,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="one trial a cell and 1 s rates (proves the lab runs); the "
-                        "pg-failover* scenarios for distlock-fenced only")
+                        "pg-failover* and partition scenarios for distlock-fenced only")
     parser.add_argument("--trials", type=int, help="trials per cell (default 20; --quick 1)")
     parser.add_argument("--ttl", type=float, default=2.0,
                         help="lease length in the pause scenarios, seconds (default 2)")
@@ -118,7 +119,8 @@ def migrate(url: str) -> None:
     migrate_in_child(url)
 
 
-def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
+def redis_nodes(contender: str, scenario: str, holder: netns.Host | None = None
+                ) -> RedisNodes | None:
     if contender not in ("redis", "redlock"):
         return None
     size = 5 if contender == "redlock" else 2 if scenario == "failover" else 1
@@ -126,7 +128,42 @@ def redis_nodes(contender: str, scenario: str) -> RedisNodes | None:
         from lab.redis_build import faketime_redis
 
         return RedisNodes(size, binary=faketime_redis(), faketime=True)
+    if scenario == "partition" and holder is not None:
+        return RedisNodes(size, also_bind=[holder.gateway])
     return RedisNodes(size)
+
+
+class Network:
+    """The partition scenario's machine, one per run: the holder's host (a network
+    namespace, lab/netns.py) and a PostgreSQL server of its own that listens on that
+    host's link too (the shared server listens on loopback only), with distlock's and the
+    lab's tables: the lock of the distlock contenders and everyone's resource."""
+
+    def __init__(self) -> None:
+        self.host: netns.Host | None = None
+        self.server: Server | None = None
+        self.resource: Resource | None = None
+
+    def start(self) -> None:
+        """Raises lab.servers.Unavailable where namespaces or a private server cannot be
+        made (the caller notes the cells as not run); what was made is left for close()."""
+        netns.check()
+        netns.remove_leftovers()  # only runs whose process is gone (lab/netns.py)
+        self.host = netns.Host("holder")
+        self.host.create()
+        self.server = Server(label="labnet", listen=[self.host.gateway],
+                             networks=[netns.NETWORK])
+        self.server.start()
+        self.server.migrate()
+        self.resource = Resource(self.server.url())
+
+    def close(self) -> None:
+        if self.resource is not None:
+            self.resource.close()
+        if self.server is not None:
+            self.server.stop()
+        if self.host is not None:
+            self.host.remove()
 
 
 def pg_pair() -> Replicated:
@@ -142,6 +179,16 @@ def pg_pair() -> Replicated:
     return pair
 
 
+def has_cell(args: argparse.Namespace, contender: str, scenario: str) -> bool:
+    """Whether this run has the cell ``contender`` × ``scenario``."""
+    if scenario not in args.scenarios or contender not in APPLIES[scenario]:
+        return False
+    # --quick, CI's budget: these scenarios' distlock-fenced cell alone (the same lock as
+    # unfenced distlock; the fenced cell also shows the resource's refusal).
+    return not (args.quick and scenario in (*PG_VARIANTS, "partition")
+                and contender != "distlock-fenced")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     migrate(args.postgres)
@@ -152,18 +199,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     etcd: EtcdCluster | None = None
     pair: Replicated | None = None  # the PostgreSQL failover scenarios' (one per run)
     pair_resource: Resource | None = None
+    network: Network | None = None  # the partition scenario's (one per run)
     try:
+        if any(has_cell(args, contender, "partition") for contender in args.contenders):
+            network = Network()
+            try:
+                network.start()
+            except Unavailable as why:
+                notes.append(f"partition not run: {why}")
+                network.close()
+                network = None
         if "etcd" in args.contenders:
-            etcd = EtcdCluster()
+            # In the partition scenario A reaches etcd over its link's root end too.
+            etcd = EtcdCluster(also_listen=[network.host.gateway]
+                               if network is not None and network.host is not None else [])
             etcd.start()
         for contender in args.contenders:
             for scenario in args.scenarios:
-                if contender not in APPLIES[scenario]:
+                if not has_cell(args, contender, scenario):
                     continue
-                if args.quick and scenario in PG_VARIANTS and contender != "distlock-fenced":
-                    continue  # CI's budget: the same lock; the fenced cell also shows writes
+                on_network = scenario == "partition"
+                if on_network and network is None:
+                    continue  # noted above
+                holder = network.host if network is not None and on_network else None
                 try:
-                    nodes = redis_nodes(contender, scenario)
+                    nodes = redis_nodes(contender, scenario, holder)
                     if nodes:
                         nodes.start()
                     if scenario in PG_VARIANTS and pair is None:
@@ -176,10 +236,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     began = time.monotonic()
                     on_pair = scenario in PG_VARIANTS
                     follow = PG_VARIANTS.get(scenario, (True, False))[0]
-                    servers = Servers(nodes, etcd, pair if on_pair else None, scenario, follow)
-                    cells.extend(run_cell(contender, scenario, servers, args.postgres,
-                                          args.trials, args.ttl,
-                                          pair_resource if on_pair else resource))
+                    servers = Servers(nodes, etcd, pair if on_pair else None, scenario, follow,
+                                      holder)
+                    postgres: str = args.postgres
+                    on: Resource | None = resource
+                    if on_pair:
+                        on = pair_resource
+                    elif on_network and network is not None and network.server is not None:
+                        postgres, on = network.server.url(), network.resource
+                    cells.extend(run_cell(contender, scenario, servers, postgres,
+                                          args.trials, args.ttl, on))
                     print(f"  {contender} × {scenario}: {args.trials} trial(s) with the fault"
                           f" off and on, {time.monotonic() - began:.1f} s", file=sys.stderr,
                           flush=True)
@@ -203,6 +269,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pair_resource.close()
         if pair is not None:
             pair.close()
+        if network is not None:
+            network.close()
     return {
         "command": "scripts/compare " + " ".join(sys.argv[1:]),
         "trials": args.trials, "ttl": args.ttl, "seconds": round(time.monotonic() - started, 1),

@@ -40,7 +40,7 @@ def plain_write(key: str, value: int) -> bool:
     return bool(Cell.objects.filter(pk=key).update(value=value) == 1)
 
 
-def redis_client(port: int) -> Any:
+def redis_client(port: int, host: str = "127.0.0.1") -> Any:
     """A redis-py client that sends each command once.
 
     redis-py 6+ retries a command on a connection error, three times with back-off, by
@@ -52,7 +52,7 @@ def redis_client(port: int) -> Any:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return redis.Redis(port=port, host="127.0.0.1", socket_timeout=2, socket_connect_timeout=1,
+    return redis.Redis(port=port, host=host, socket_timeout=2, socket_connect_timeout=1,
                        retry=Retry(NoBackoff(), 0))
 
 
@@ -87,17 +87,20 @@ class RedisLock(Contender):
 
     With ``master_file`` (the failover scenario) the client asks that file which port is
     the master after a connection error, as a Sentinel-aware client asks Sentinel.
+    ``host``: where the servers are reached (the partition scenario's holder reaches them
+    over its link).
     """
 
     name = "redis"
 
-    def __init__(self, ports: list[int], master_file: str = "") -> None:
+    def __init__(self, ports: list[int], master_file: str = "", host: str = "127.0.0.1") -> None:
         import redis
 
         self.redis = redis
         self.master_file = master_file
+        self.host = host
         self.port = ports[0]
-        self.client = redis_client(self.port)
+        self.client = redis_client(self.port, host)
         self.lock: Any = None
         self.ttl = 0.0
 
@@ -109,7 +112,7 @@ class RedisLock(Contender):
         except (OSError, ValueError):
             return  # no failover in this scenario
         if port != self.port:
-            self.port, self.client = port, redis_client(port)
+            self.port, self.client = port, redis_client(port, self.host)
             if self.lock is not None:
                 token = self.lock.local.token
                 self.lock = self.client.lock(LOCK_NAME, timeout=self.ttl)
@@ -148,7 +151,7 @@ class Redlock(Contender):
 
     name = "redlock"
 
-    def __init__(self, ports: list[int]) -> None:
+    def __init__(self, ports: list[int], host: str = "127.0.0.1") -> None:
         from pottery import Redlock as PotteryRedlock
         from pottery import ReleaseUnlockedLock
 
@@ -157,7 +160,7 @@ class Redlock(Contender):
         logging.getLogger("pottery").setLevel(logging.CRITICAL)
         self.factory = PotteryRedlock
         self.unlocked = ReleaseUnlockedLock
-        self.masters = {redis_client(port) for port in ports}
+        self.masters = {redis_client(port, host) for port in ports}
         self.lock: Any = None
 
     def acquire(self, ttl: float, timeout: float) -> Any:
@@ -345,10 +348,11 @@ class DistlockFenced(Distlock):
 
 def make(name: str, config: dict[str, Any]) -> Contender:
     """The contender ``name`` connected to the servers in ``config``."""
+    host = config.get("redis_host") or "127.0.0.1"
     if name == "redis":
-        return RedisLock(config["redis_ports"], config.get("redis_master_file", ""))
+        return RedisLock(config["redis_ports"], config.get("redis_master_file", ""), host)
     if name == "redlock":
-        return Redlock(config["redis_ports"])
+        return Redlock(config["redis_ports"], host)
     if name == "etcd":
         return EtcdLock(config["etcd_endpoints"])
     if name == "distlock":

@@ -96,10 +96,12 @@ def timeline(cell: dict[str, Any]) -> str:
                          f'fill="{COLOURS[kind]}"><title>{client}: {label} (row '
                          f'{escape.escape(event["key"])}) at {event["t0"]:.3f} s</title></rect>')
     times = dict(marks)
-    if "heal" in times:  # a pause: A's process stopped from the fault to the heal
+    if "heal" in times:  # A stopped (a pause) or cut off (a partition) until the heal
+        what = ("A cut off (its link down)" if cell["scenario"] == "partition"
+                else "A stopped (SIGSTOP)")
         parts.append(f'<rect x="{x(times["fault"]):.1f}" y="14" '
                      f'width="{(times["heal"] - times["fault"]) * scale:.1f}" height="36" '
-                     f'fill="url(#stopped)"><title>A stopped (SIGSTOP)</title></rect>')
+                     f'fill="url(#stopped)"><title>{what}</title></rect>')
     for what, t in marks:
         colour = "#ef6c00" if what == "fault" else "#6a1b9a"
         parts.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="10" y2="112" stroke="{colour}" '
@@ -156,7 +158,8 @@ issued again must be 0.</p>
 <span style="background:{COLOURS['ok']}"></span>write accepted
 <span style="background:{COLOURS['stale']}"></span>stale write accepted
 <span style="background:{COLOURS['refused']}"></span>stale write refused;
-orange line: the fault strikes (hatched: A stopped), purple: it heals.</p>
+orange line: the fault strikes (hatched: A stopped, or cut off in the partition), purple: it
+heals.</p>
 {pictures}
 </body></html>
 """

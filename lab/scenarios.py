@@ -4,8 +4,9 @@ Every trial runs the same steps, with the fault switched on or off (the control)
 
 1. the rows are reset; A acquires (ttl), reads its row;
 2. B asks for the lock (blocking: it keeps trying in its own process);
-3. fault on: the fault strikes (A SIGSTOPped, Redis restarted, a Redis clock jumped);
-   if B is granted it reads and writes its row; the fault heals (A SIGCONTed); A writes
+3. fault on: the fault strikes (A SIGSTOPped, Redis restarted, a Redis clock jumped, A's
+   host cut off); if B is granted it reads and writes its row; the fault heals (A
+   SIGCONTed, A's link up again); A writes
    the value it read plus one; A releases, then B;
    fault off: A writes and releases; B is granted, reads, writes, releases.
 
@@ -33,10 +34,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.django_setup import database
+from lab.netns import Host
 from lab.pg_servers import DATABASE, Replicated
 from lab.servers import EtcdCluster, RedisNodes
 
 ROOT = Path(__file__).resolve().parent.parent
+REACH = 0.5  # seconds a connection from A's host may take in the partition's reach probe
 JUMP = 60.0  # seconds a Redis node's clock steps forward in the clock scenario
 LONG_TTL = 30.0  # A's ttl where the fault is not a pause: A is well inside it when it writes
 
@@ -48,11 +52,15 @@ class HarnessError(RuntimeError):
 class Client:
     """A worker process (lab/worker.py) and the answers it gives, read by a thread."""
 
-    def __init__(self, role: str, contender: str, config: dict[str, Any]) -> None:
+    def __init__(self, role: str, contender: str, config: dict[str, Any],
+                 prefix: list[str] | None = None) -> None:
+        """``prefix``: the command that runs it on another host (``ip netns exec NS``,
+        which execs the worker: its PID is the worker's, for the signals)."""
         self.role = role
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lab.worker", contender, json.dumps(config)],
+            [*(prefix or []), sys.executable, "-m", "lab.worker", contender,
+             json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
             start_new_session=True,
         )
@@ -106,39 +114,59 @@ class Client:
 @dataclass
 class Servers:
     """What a contender needs running: Redis nodes and a PostgreSQL pair (per cell), etcd
-    (per run)."""
+    (per run); in the partition scenario the holder's host (per run), where A runs."""
 
     redis: RedisNodes | None = None
     etcd: EtcdCluster | None = None
     pg: Replicated | None = None
     scenario: str = ""
     follow: bool = True  # DISTLOCK_FOLLOW_TIMELINE of the distlock clients
+    holder: Host | None = None
 
     @property
     def master_file(self) -> Path | None:
         """Where the failover scenario names the current Redis master (its port)."""
         return self.redis.dir / "master" if self.redis and self.redis.dir else None
 
-    def config(self, postgres: str) -> dict[str, Any]:
-        return {
+    def config(self, postgres: str, role: str = "") -> dict[str, Any]:
+        """A client's servers. Client A on the holder's host reaches each over its link:
+        at the link's root end (every server of the partition scenario listens there too)
+        instead of 127.0.0.1."""
+        config: dict[str, Any] = {
             "postgres": self.pg.url() if self.pg else postgres,
             "follow": self.follow,
             "redis_master_file": str(self.master_file or ""),
             "redis_ports": self.redis.ports if self.redis else [],
             "etcd_endpoints": self.etcd.endpoints if self.etcd else [],
         }
+        if role == "A" and self.holder is not None:
+            gateway = self.holder.gateway
+            config["postgres"] = config["postgres"].replace("@127.0.0.1:", f"@{gateway}:")
+            config["redis_host"] = gateway
+            config["etcd_endpoints"] = [endpoint.replace("127.0.0.1:", f"{gateway}:")
+                                        for endpoint in config["etcd_endpoints"]]
+        return config
+
+    def prefix(self, role: str) -> list[str]:
+        """The command prefix of client ``role``: A runs on the holder's host, if any."""
+        return self.holder.prefix() if role == "A" and self.holder is not None else []
 
 
 class Fault:
     """A scenario's fault. ``before``/``granted`` run in control trials too."""
 
     heals = False  # whether heal() undoes something (the timeline marks it then)
+    # Whether A's lease is the short ttl, to run out during the fault (a pause, a
+    # partition), rather than LONG_TTL, which A is well inside when it writes.
+    expires = False
     # With the fault on, how long B asks for the lock (None: until A's pause ttl has run
     # out four times over): a fault the lock should survive needs no longer than that.
     ask: float | None = None
 
-    def __init__(self, servers: Servers, a: Client) -> None:
-        self.servers, self.a = servers, a
+    def __init__(self, servers: Servers, a: Client, config_a: dict[str, Any] | None = None
+                 ) -> None:
+        """``config_a``: client A's servers, as A reaches them (Servers.config)."""
+        self.servers, self.a, self.config_a = servers, a, config_a or {}
 
     def before(self) -> None:
         """Before A's acquire."""
@@ -169,12 +197,69 @@ class Pause(Fault):
     """A is SIGSTOPped (a GC pause, a swapped-out VM) until B has written."""
 
     heals = True
+    expires = True
 
     def strike(self) -> None:
         self.a.signal(signal.SIGSTOP)
 
     def heal(self) -> None:
         self.a.signal(signal.SIGCONT)
+
+
+class Partition(Fault):
+    """A's host is cut off (lab/netns.py: its link's root end down, every packet either way
+    dropped, nothing reset) until B has written.
+
+    A runs in a network namespace of its own and reaches everything — the lock service
+    and the resource alike — over that one link: for distlock they are one database, and
+    for the others the cut takes A's host off the network, as a partitioned machine is.
+    A does nothing during the cut: like a holder whose partition nobody tells it about,
+    its next operation is after the heal, the write with its old token or lease. B, on
+    the root namespace's loopback, is granted once A's lease has run out.
+    """
+
+    heals = True
+    expires = True
+
+    def host(self) -> Host:
+        assert self.servers.holder is not None
+        return self.servers.holder
+
+    def addresses(self) -> list[list[Any]]:
+        """Every server A uses (the database, the Redis nodes, the etcd members), as
+        ``[host, port]`` the way A reaches it: at the link's root end."""
+        config = self.config_a
+        entry = database(config["postgres"])
+        found: list[list[Any]] = [[entry["HOST"], int(entry["PORT"])]]
+        found += [[config["redis_host"], port] for port in config["redis_ports"]]
+        found += [[host, int(port)] for host, _, port in
+                  (endpoint.rpartition(":") for endpoint in config["etcd_endpoints"])]
+        return found
+
+    def reach(self) -> set[str]:
+        """The servers A's host reaches now (lab/worker.py's reach, run by A)."""
+        return set(self.a.call("reach", wait=30, addresses=self.addresses(),
+                               timeout=REACH)["result"])
+
+    def granted(self) -> None:
+        """Fault or not, A reaches every server, over its link (its only way out)."""
+        every = {f"{host}:{port}" for host, port in self.addresses()}
+        if missing := every - self.reach():
+            raise HarnessError(f"A's host does not reach {sorted(missing)} over its link")
+
+    def strike(self) -> None:
+        """The cut, and the proof that it holds: A's host reaches none of the servers."""
+        self.host().cut()
+        if reached := self.reach():
+            raise HarnessError(f"A's host still reaches {sorted(reached)} with its link cut")
+
+    def heal(self) -> None:
+        self.host().restore()
+
+    def clean(self) -> None:
+        if not self.host().linked():  # a trial that failed during the cut
+            self.host().restore()
+        super().clean()
 
 
 class Restart(Fault):
@@ -366,14 +451,14 @@ PG_VARIANTS = {"pg-failover": (True, False), "pg-failover-step": (False, True),
                "pg-failover-nostep": (False, False)}
 FAULTS: dict[str, type[Fault]] = {"pause": Pause, "untouched": Pause, "restart": Restart,
                                   "clock": Clock, "failover": Failover,
-                                  "etcd-member": EtcdMemberLoss,
+                                  "etcd-member": EtcdMemberLoss, "partition": Partition,
                                   **dict.fromkeys(PG_VARIANTS, PgFailover)}
 CONTENDERS = ("redis", "redlock", "etcd", "distlock", "distlock-fenced")
 SCENARIOS = ("pause", "untouched", "restart", "clock", "failover", *PG_VARIANTS,
-             "etcd-member")
+             "etcd-member", "partition")
 # What each scenario is about, and whom: a Redis restart, clock or failover is no fault of
 # etcd or PostgreSQL, a PostgreSQL failover none of Redis or etcd, an etcd member lost
-# none of the others (a network partition of the holder is not in the lab yet).
+# none of the others; a pause or a partition of the holder is everyone's.
 APPLIES = {
     "pause": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
     "untouched": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
@@ -382,6 +467,7 @@ APPLIES = {
     "failover": ("redis",),
     **dict.fromkeys(PG_VARIANTS, ("distlock", "distlock-fenced")),
     "etcd-member": ("etcd",),
+    "partition": ("redis", "redlock", "etcd", "distlock", "distlock-fenced"),
 }
 
 
@@ -420,7 +506,7 @@ def run_trial(a: Client, b: Client, fault: Fault, *, on: bool, scenario: str, tt
     trial = Trial(fault=on)
     start = [0.0]
     rows = ("a", "b") if scenario == "untouched" else ("a", "a")
-    ttl_a = ttl if isinstance(fault, Pause) else LONG_TTL
+    ttl_a = ttl if fault.expires else LONG_TTL
 
     def record(client: Client, answer: dict[str, Any], **extra: Any) -> Any:
         trial.events.append(Event(client.role, answer["op"], answer["t0"] - start[0],
@@ -542,12 +628,11 @@ class Cell:
 def run_cell(contender: str, scenario: str, servers: Servers, postgres: str, trials: int,
              ttl: float, pg: Any) -> tuple[Cell, Cell]:
     """``trials`` control and fault trials, interleaved, with fresh clients A and B."""
-    config = servers.config(postgres)
-    a = Client("A", contender, config)
+    a = Client("A", contender, servers.config(postgres, "A"), servers.prefix("A"))
     try:
-        b = Client("B", contender, config)
+        b = Client("B", contender, servers.config(postgres, "B"))
         try:
-            fault = FAULTS[scenario](servers, a)
+            fault = FAULTS[scenario](servers, a, servers.config(postgres, "A"))
             control, faulted = Cell(contender, scenario, False), Cell(contender, scenario, True)
             for _ in range(trials):
                 for cell in (control, faulted):

@@ -253,6 +253,9 @@ class RedisServer:
     name: str = "redis"
     binary: str = "redis-server"
     faketime: bool = False
+    #: More addresses it listens on beside 127.0.0.1 (the root end of a network
+    #: namespace's link: the lab's partition scenario).
+    also_bind: list[str] = field(default_factory=list)
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
 
@@ -275,9 +278,13 @@ class RedisServer:
             env.update(LD_PRELOAD=faketime_library(),
                        FAKETIME_TIMESTAMP_FILE=str(self.clock_file),
                        FAKETIME_NO_CACHE="1", DONT_FAKE_MONOTONIC="1")
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+        # Protected mode takes clients on loopback only: off where a namespace's link is
+        # listened on too (a private 10.231.N.1 address, no way in from outside).
+        command = [self.binary, "--port", str(self.port),
+                   "--bind", " ".join(["127.0.0.1", *self.also_bind]),
                    "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-                   "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"]
+                   "--protected-mode", "no" if self.also_bind else "yes",
+                   "--daemonize", "no", "--loglevel", "warning"]
         log = self.log.open("ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env,
@@ -334,6 +341,7 @@ class RedisNodes:
     size: int = 1
     binary: str = "redis-server"
     faketime: bool = False
+    also_bind: list[str] = field(default_factory=list)
     nodes: list[RedisServer] = field(default_factory=list)
     dir: Path | None = None
 
@@ -353,7 +361,8 @@ class RedisNodes:
         if shutil.which(self.binary) is None and not os.path.exists(self.binary):
             raise Unavailable(f"{self.binary} not found (Debian package redis-server)")
         self.dir = Path(tempfile.mkdtemp(prefix="distlock-redis-"))
-        self.nodes = [RedisServer(self.dir, f"r{i}", self.binary, self.faketime)
+        self.nodes = [RedisServer(self.dir, f"r{i}", self.binary, self.faketime,
+                                  list(self.also_bind))
                       for i in range(self.size)]
         try:
             for node in self.nodes:

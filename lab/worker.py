@@ -55,7 +55,27 @@ def run(contender: Any, op: str, command: dict[str, Any]) -> Any:
         return contender.write(command["key"], command["value"])
     if op == "rate":
         return rate(contender, command["seconds"], command["ttl"])
+    if op == "reach":
+        return reach(command["addresses"], command["timeout"])
     raise ValueError(f"unknown op {op!r}")
+
+
+def reach(addresses: list[list[Any]], timeout: float) -> list[str]:
+    """The ``[host, port]`` addresses a TCP connection from here reaches within
+    ``timeout`` seconds, all tried at once (the partition scenario's proof that its cut
+    holds, and that its control's link carries A's traffic)."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(address: list[Any]) -> str | None:
+        try:
+            with socket.create_connection((address[0], int(address[1])), timeout=timeout):
+                return f"{address[0]}:{address[1]}"
+        except OSError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=len(addresses) or 1) as pool:
+        return [found for found in pool.map(one, addresses) if found]
 
 
 def rate(contender: Any, seconds: float, ttl: float) -> float:

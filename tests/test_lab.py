@@ -5,7 +5,10 @@ real processes (its own redis-server, two clients each, a SIGSTOP): the columns 
 table must show the seed's argument — Redis accepts the paused holder's stale write and
 loses an update, distlock fenced refuses it — and the controls (the same harness, fault
 off) must be clean. The history judge (lab.scenarios.measure) is also checked alone, on
-made-up histories, on every backend (it needs no database).
+made-up histories, on every backend (it needs no database). The PostgreSQL failover
+and etcd member-loss scenarios have a quick run each; the partition scenario's (redis and
+distlock fenced, A on a network namespace of its own) runs with ``DISTLOCK_LAB_FULL=1``
+only, as it costs more than a CI test may.
 """
 
 from __future__ import annotations
@@ -23,21 +26,28 @@ import pytest
 
 from lab.report import broken_controls, html, text
 from lab.scenarios import Event, Trial, measure, reissued
+from tests.support.namespaces import need_netns
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = os.environ.get("DISTLOCK_TEST_DB_SUFFIX", "")
 CLIENTS_OWN_DATABASE = "the lab's clients connect to a database of their own"
 
 
-def lab_process_test(pooler_reason: str, program: str | None = None, package: str = "") -> Any:
+def lab_process_test(pooler_reason: str, program: str | None = None, package: str = "",
+                     *, full: bool = False) -> Any:
     """The marks of a test that runs the lab with real processes: slow, in the PostgreSQL
     pass (the lab keeps its resource there), and, outside CI, only where ``program`` (from
-    Debian's ``package``) is installed."""
+    Debian's ``package``) is installed. ``full``: one of the lab's full set, which runs
+    only with ``DISTLOCK_LAB_FULL=1`` (over CI's budget for a test: its scenario runs in
+    CI in ``scripts/compare --quick``)."""
     marks = [
         pytest.mark.slow, pytest.mark.processes, pytest.mark.no_pooler(pooler_reason),
         pytest.mark.skipif(os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql",
                            reason="the lab keeps its resource on PostgreSQL: the PostgreSQL pass"),
     ]
+    if full:
+        marks.append(pytest.mark.skipif(os.environ.get("DISTLOCK_LAB_FULL") != "1",
+                                        reason="one of the lab's full set (DISTLOCK_LAB_FULL=1)"))
     if program is not None:
         marks.append(pytest.mark.skipif(
             shutil.which(program) is None and os.environ.get("CI") != "true",
@@ -186,3 +196,23 @@ def test_etcd_member_loss_the_leader_the_clients_use_keeps_the_lock(tmp_path: Pa
     cells = lab_run(tmp_path, "--contenders", "etcd", "--scenarios", "etcd-member")
     assert cells["etcd etcd-member off"] == (1, 0, 0, 0, 2, 2, 0, 0)
     assert cells["etcd etcd-member on"] == (1, 0, 0, 0, 1, 1, 0, 0)
+
+
+# 8.7 to 12.2 s a run (ten runs, load 2 to 3): over CI's 10 s, so in the full set.
+@lab_process_test("the lab runs its own PostgreSQL server on a namespace's link", "ip",
+                  "iproute2", full=True)
+def test_partition_redis_accepts_the_cut_off_holders_stale_write_and_fenced_refuses_it(
+        tmp_path: Path) -> None:
+    """A on a network namespace of its own, cut off while it holds: its lease runs out, B
+    is granted and writes, the link heals and A writes with its old lease. redis-py's Lock
+    lets the stale write through (an update lost), distlock fenced refuses it; the controls
+    (the link never cut) are clean. The scenario itself checks that the cut holds (A's
+    host reaches no server) and that the control's link carries A's traffic."""
+    need_netns("the lab's partition scenario")
+    cells = lab_run(tmp_path, "--contenders", "redis,distlock-fenced", "--scenarios",
+                    "partition")
+    clean = (1, 0, 0, 0, 2, 2, 0, 0)
+    assert cells["redis partition off"] == clean
+    assert cells["distlock-fenced partition off"] == clean
+    assert cells["redis partition on"] == (1, 1, 1, 0, 2, 1, 1, 0)
+    assert cells["distlock-fenced partition on"] == (1, 1, 0, 1, 1, 1, 0, 0)

@@ -1,7 +1,7 @@
 """A network partition between a lock holder's host and the database (S5, S7).
 
 Two "hosts" are network namespaces joined to this machine by veth pairs
-(tests/support/netns.py); a private PostgreSQL server (tests/support/pg_clusters.py)
+(lab/netns.py, named per run); a private PostgreSQL server (tests/support/pg_clusters.py)
 listens on the root ends. Host A runs a holder process and a probe, host B a holder,
 each a real Python process started with ``ip netns exec`` (tests/support/
 partition_workers.py), reaching the database only over its own link.
@@ -41,18 +41,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lab import netns
+from lab.netns import Host
 from tests.stress import checker
 from tests.stress.harness import HISTORY, trigger_statements
-from tests.support import netns
 from tests.support.helpers import wait_until
-from tests.support.netns import Host
-from tests.support.pg_clusters import Server, Unavailable, django_env, stop_leftovers
+from tests.support.namespaces import need_netns
+from tests.support.pg_clusters import Server, django_env, stop_leftovers
 from tests.support.processes import Child, Children
 
 pytestmark = [
@@ -68,6 +72,7 @@ if os.environ.get("DISTLOCK_TEST_BACKEND") != "postgresql":
         allow_module_level=True,
     )
 
+ROOT = Path(__file__).resolve().parent.parent
 NAME = "partition"
 TTL = 3.0
 # The holders' connection settings (libpq's names, Django's OPTIONS): what
@@ -96,25 +101,15 @@ GATE_SQL = [
 VOLUME = checker.Volume(grants=2, writes=2, stale_refused=1)
 
 
-def required() -> bool:
-    return os.environ.get("CI") == "true" or os.environ.get("DISTLOCK_REQUIRE_NETNS") == "1"
-
-
 # -- the machines ----------------------------------------------------------------------------
 
 
 @pytest.fixture
 def hosts() -> Iterator[dict[str, Host]]:
-    try:
-        netns.check()
-    except Unavailable as exc:
-        if required():
-            pytest.fail(f"CI=true / DISTLOCK_REQUIRE_NETNS=1, but this machine cannot run the "
-                        f"partition test: {exc}")
-        pytest.skip(f"this machine cannot run the partition test: {exc}")
+    need_netns("the partition test")
     netns.remove_leftovers()
     stop_leftovers("partition")
-    made = {"a": Host("a", 1), "b": Host("b", 2)}
+    made = {"a": Host("a"), "b": Host("b")}
     try:
         for host in made.values():
             host.create()
@@ -313,3 +308,49 @@ def test_a_cut_off_holder_is_fenced_after_the_take_over(lost, hosts, server, pro
     assert reconnect["seconds"] < 5 and "timeout expired" in reconnect["cause"], reconnect
     # The probe heard nothing until the link came back.
     assert answer["seconds"] > failed["seconds"], answer
+
+
+# -- the harness: names per run ---------------------------------------------------------------
+
+# A run of its own (lab/netns.py's names per process): one host, its namespace's name
+# printed, then it waits for a line on stdin and exits normally.
+RUN = ("import sys; from lab import netns; host = netns.Host('x'); host.create(); "
+       "print(host.namespace, host.outside, flush=True); sys.stdin.readline()")
+
+
+def test_remove_leftovers_removes_only_a_dead_runs_names() -> None:
+    """Two runs beside this one: one SIGKILLed (what a killed test run leaves), one alive.
+    remove_leftovers() removes the dead run's namespace, link and record, and leaves the
+    live run's and this run's own; the live run removes its own when it exits."""
+    need_netns("the namespace harness's test")
+    mine = Host("mine")
+    mine.create()
+    runs = [subprocess.Popen([sys.executable, "-c", RUN], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT))) for _ in range(2)]
+    try:
+        (dead_ns, dead_link), (live_ns, live_link) = (
+            run.stdout.readline().split() for run in runs if run.stdout is not None)
+        runs[0].kill()
+        runs[0].wait(timeout=30)
+        assert dead_ns in netns.namespaces() and dead_link in netns.links()
+        removed = netns.remove_leftovers()
+        assert removed == [dead_ns[len(netns.PREFIX):].split("-")[0]]
+        assert dead_ns not in netns.namespaces() and dead_link not in netns.links()
+        assert live_ns in netns.namespaces() and live_link in netns.links()
+        assert mine.namespace in netns.namespaces() and mine.linked()
+        assert runs[1].stdin is not None
+        runs[1].stdin.write("\n")
+        runs[1].stdin.flush()
+        assert runs[1].wait(timeout=30) == 0
+        assert live_ns not in netns.namespaces() and live_link not in netns.links()
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+            run.wait(timeout=30)
+            for pipe in (run.stdin, run.stdout):
+                if pipe is not None:
+                    pipe.close()
+        mine.remove()
+        netns.remove_leftovers()

@@ -50,7 +50,6 @@ import pytest
 
 from tests.stress import checker
 from tests.stress.harness import HISTORY, Profile, read_histories, trigger_statements
-from tests.support import netns
 from tests.support.failover import (
     Analysis,
     Outcome,
@@ -62,8 +61,9 @@ from tests.support.failover import (
     wait_for_grants,
 )
 from tests.support.helpers import wait_until
+from tests.support.namespaces import need_netns
 from tests.support.patroni import Isolation, Member, Patroni
-from tests.support.pg_clusters import Unavailable, now_us
+from tests.support.pg_clusters import now_us
 
 pytestmark = [
     pytest.mark.slow,
@@ -278,12 +278,7 @@ def test_synchronous_mode_cancelled_waits_raise_not_replicated_and_nothing_ackno
 def partitionable(request: pytest.FixtureRequest) -> Iterator[Patroni]:
     """A cluster of its own whose leader, pg0, can be cut from etcd alone; in Patroni's
     synchronous_mode if the test's parameter says so."""
-    try:
-        netns.check()
-    except Unavailable as exc:
-        if os.environ.get("CI") == "true" or os.environ.get("DISTLOCK_REQUIRE_NETNS") == "1":
-            pytest.fail(f"CI=true / DISTLOCK_REQUIRE_NETNS=1, but no network namespaces: {exc}")
-        pytest.skip(f"this machine cannot make network namespaces: {exc}")
+    need_netns("the leader partitioned from etcd")
     ha = Patroni(isolated=Isolation())
     try:
         ha.start()

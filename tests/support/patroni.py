@@ -18,7 +18,7 @@ the case the timeline follow is for). :meth:`Patroni.set_synchronous` turns Patr
 /config), with ``synchronous_mode_strict`` off (docs/deployment.md says why).
 
 With ``isolated`` (:class:`Isolation`), member ``pg0`` runs on a "machine" of its own: a
-network namespace (tests/support/netns.py) with two links to this one, ``db`` (its
+network namespace (lab/netns.py) with two links to this one, ``db`` (its
 PostgreSQL, its REST API: clients and standbys reach it there) and ``dcs`` (its only way
 to etcd, which also listens on that link's root end). It bootstraps the cluster, so it is
 the leader; cutting ``dcs`` partitions the leader from etcd alone, everything else still
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab import netns
 from lab.pg_servers import alive
 from lab.servers import EtcdCluster, free_port
-from tests.support import netns
 from tests.support.helpers import wait_until
 from tests.support.pg_clusters import DATABASE, Unavailable, _connect, django_env, migrate, pg_bin
 
@@ -123,17 +123,17 @@ class Isolation:
     """Member pg0's machine: a namespace reached over ``db`` (PostgreSQL, REST API) and
     reaching etcd over ``dcs`` only, so that either can be cut alone."""
 
-    db: netns.Host = field(default_factory=lambda: netns.Host("hadb", 21))
+    db: netns.Host = field(default_factory=lambda: netns.Host("hadb"))
     dcs: netns.Host = field(init=False)
 
     def __post_init__(self) -> None:
-        self.dcs = netns.Host("hadcs", 22, joins=self.db)
+        self.dcs = netns.Host("hadcs", joins=self.db)
 
     def create(self) -> None:
         netns.check()
-        # What a killed run left of these two links (not netns.remove_leftovers(): that
-        # removes every dlp- namespace, a partition test's running beside this one too).
-        self.remove()
+        # What killed runs left (only theirs: the names are per run, and a live run's,
+        # a partition test's beside this one, stay).
+        netns.remove_leftovers()
         self.db.create()
         self.dcs.create()
 
