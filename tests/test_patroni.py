@@ -29,9 +29,19 @@ fenced write with its ground-truth row, release. Then one fault, with no operato
   (``retry_timeout``), before the key's ``ttl`` lets another member be promoted; no
   violation, no token issued again.
 
-CI runs the synchronous cancelled-wait fault; the plain synchronous kill and the etcd
-partition run with ``DISTLOCK_HA_FULL=1`` (the closing figures' runs; ``scripts/ha``
-documents the command).
+* the leader's whole member SIGSTOPped until another member takes writes, then resumed
+  (its PostgreSQL first, its Patroni once the old primary has shown what it does):
+  asynchronous without a watchdog, the control — the resumed old primary acknowledges
+  grants and fenced writes beside the new leader, lost with its timeline (Debian's
+  Patroni 3.0.2 may even take the leader key back: the test kills it after 90 s);
+  ``synchronous_mode`` without a watchdog — its commits wait, nothing is acknowledged
+  there (when Patroni demotes it); and with Patroni's watchdog (``mode: required``,
+  ``driver: testing`` on a named pipe emulated by tests/support/watchdog.py) — the
+  member is reset (SIGKILLed) before the new leader is promoted, nothing to resume.
+
+CI runs the synchronous cancelled-wait fault; the plain synchronous kill, the etcd
+partition and the paused leader run with ``DISTLOCK_HA_FULL=1`` (the closing figures'
+runs; ``scripts/ha`` documents the command).
 
 Each prints its summary (-rA): grants, writes, refusals, indeterminate outcomes, violations,
 tokens issued again, the longest time no grant was acknowledged. Runs in the PostgreSQL
@@ -45,6 +55,7 @@ import contextlib
 import json
 import os
 import signal
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -421,7 +432,9 @@ def paused(ha: Patroni, directory: Path, prefix: str) -> tuple[Outcome, dict[str
           f"{patroni_window:.1f} s after its Patroni did{never}; acknowledged there and lost: "
           f"{len(grants)} grants, {sum(e['type'] == 'renew' for e in there)} renewals, "
           f"{sum(e['type'] == 'write' for e in there)} writes; leases overlapping one granted "
-          f"by the new leader: {overlaps}")
+          f"by the new leader: {overlaps}; every call answered after the resume, by status: "
+          f"{dict(sorted(Counter(str(e.get('status')) for e in resumed).items()))}; commits seen "
+          f"waiting for the synchronous standby: {seen.get('waiting', 0)}")
     return result, seen
 
 
@@ -453,8 +466,17 @@ def test_paused_leader_in_synchronous_mode_acknowledges_nothing_beside_the_new_l
     ha_sync, tmp_path
 ):
     """No watchdog, ``synchronous_mode``: the resumed old primary's commits wait for its
-    synchronous standby, which is now the leader; none is acknowledged there."""
+    synchronous standby, which is now the leader; none is acknowledged there before
+    Patroni demotes it. If Patroni instead takes the leader key back (its 3.0.2 bug), the
+    run is an expected failure with its count, not a pass."""
     result, seen = paused(ha_sync, tmp_path, "patroni-sync-pause")
+    if seen["demoted_us"] is None:
+        # Not what synchronous mode is judged on: Debian's Patroni 3.0.2 wrote the leader
+        # key over the new leader's (patroni#2689, docs/deployment.md), and the old
+        # primary, leader again, named a synchronous standby and committed.
+        there = seen["acknowledged_then_lost"]
+        pytest.xfail(f"Patroni 3.0.2 took the leader key back (patroni#2689); the old primary "
+                     f"acknowledged {len(there)} calls beside the new leader")
     analysis = judged(result, "patroni-sync-pause")
     assert seen["waiting"] > 0, "no commit waited on the resumed old primary"
     assert seen["acknowledged_then_lost"] == [] and seen["overlaps"] == 0
