@@ -222,10 +222,12 @@ def pause(ha: Patroni, leader: Member, directory: Path, names: list[str],
     its Patroni only once the old primary has shown what it does meanwhile — a grant and a
     fenced write acknowledged there (asynchronous), or a commit waiting for the
     synchronous standby that was promoted (``synchronous_mode``). The order makes the
-    window certain rather than a race with Patroni's first loop; ``seen`` gets the times
-    (µs, database clock) and the client events acknowledged by the resumed old primary
-    (``resumed_events``: every event recorded after its resume). Returns the new leader
-    and the time of the pause."""
+    window certain rather than a race with Patroni's first loop. ``seen`` gets the times
+    (µs, this host's clock, which the servers read too), the emulated watchdog resets, and
+    ``before``: the client events recorded before the resume (every later one was answered
+    by the resumed old primary or, once it is gone, the new leader). Returns the new
+    leader and the time of the pause."""
+    synchronous = ha.synchronous()
     paused = seen["paused_us"] = now_us()
     ha.signal_member(leader, signal.SIGSTOP)
     after = wait_until(lambda: writable_other(ha, leader), DEADLINE,
@@ -248,7 +250,7 @@ def pause(ha: Patroni, leader: Member, directory: Path, names: list[str],
     if ha.watchdogs:
         # Reset: nothing is left of the machine to resume.
         seen["old_writable"] = writable(leader)
-    elif ha.synchronous():
+    elif synchronous:
         seen["waiting"] = len(wait_until(lambda: waiting_for_standby(leader), DEADLINE,
                                          "a commit on the old primary waiting", every=0.05))
     else:
@@ -273,12 +275,11 @@ def pause(ha: Patroni, leader: Member, directory: Path, names: list[str],
         dated = [line for line in log if line.startswith("20")]
         print("\nold leader never demoted; its Patroni's last lines:\n  "
               + "\n  ".join(dated[-4:]))
-    # What the resumed old primary answered, until the end: collected by the caller.
     seen["before"] = before
     # A fresh clone of the leader replaces it at the next test (restore()).
     ha.kill_member(leader)
     ha.kill_server(leader)
-    # Never demoted (Patroni's claim, below): its end is the kill.
+    # Never demoted (Patroni took the key back): its end as a primary is the kill.
     seen["ended_us"] = seen["demoted_us"] or now_us()
     assert after is ha.wait_leader(DEADLINE, other_than=leader)
     return after, paused
@@ -475,6 +476,8 @@ def test_paused_leader_in_synchronous_mode_acknowledges_nothing_beside_the_new_l
         # key over the new leader's (patroni#2689, docs/deployment.md), and the old
         # primary, leader again, named a synchronous standby and committed.
         there = seen["acknowledged_then_lost"]
+        names = profile("patroni-sync-pause").names()
+        print("\n" + analyse(result, names, VOLUME).summary(result))
         pytest.xfail(f"Patroni 3.0.2 took the leader key back (patroni#2689); the old primary "
                      f"acknowledged {len(there)} calls beside the new leader")
     analysis = judged(result, "patroni-sync-pause")
