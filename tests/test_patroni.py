@@ -281,8 +281,11 @@ def pause(ha: Patroni, leader: Member, directory: Path, names: list[str],
     ha.kill_server(leader)
     # Never demoted (Patroni took the key back): its end as a primary is the kill.
     seen["ended_us"] = seen["demoted_us"] or now_us()
-    assert after is ha.wait_leader(DEADLINE, other_than=leader)
-    return after, paused
+    # When Patroni took the key back, the member first promoted was demoted by it, and
+    # another may lead after the kill: the run's tables are the final leader's.
+    final = ha.wait_leader(DEADLINE, other_than=leader)
+    seen["first_promoted_kept"] = final is after
+    return final, paused
 
 
 def stop_wal_senders(leader: Member) -> None:
@@ -435,7 +438,8 @@ def paused(ha: Patroni, directory: Path, prefix: str) -> tuple[Outcome, dict[str
           f"{sum(e['type'] == 'write' for e in there)} writes; leases overlapping one granted "
           f"by the new leader: {overlaps}; every call answered after the resume, by status: "
           f"{dict(sorted(Counter(str(e.get('status')) for e in resumed).items()))}; commits seen "
-          f"waiting for the synchronous standby: {seen.get('waiting', 0)}")
+          f"waiting for the synchronous standby: {seen.get('waiting', 0)}; the member first "
+          f"promoted leads at the end: {seen['first_promoted_kept']}")
     return result, seen
 
 
