@@ -429,17 +429,19 @@ def paused(ha: Patroni, directory: Path, prefix: str) -> tuple[Outcome, dict[str
     seen["overlaps"] = overlaps = overlapping(grants, [
         e for e in result.client if e.get("type") == "acquire" and e.get("status") == "ok"
         and not is_lost(e) and e["acquired_us"] > paused_us])
-    print(f"\npaused leader: new leader writable {(promoted_us - paused_us) / 1e6:.1f} s after "
-          f"the pause; watchdog resets at "
-          f"{[round((t - paused_us) / 1e6, 1) for t in seen['resets']]} s; old primary "
-          f"writable for {window:.1f} s after its PostgreSQL resumed, "
-          f"{patroni_window:.1f} s after its Patroni did{never}; acknowledged there and lost: "
-          f"{len(grants)} grants, {sum(e['type'] == 'renew' for e in there)} renewals, "
-          f"{sum(e['type'] == 'write' for e in there)} writes; leases overlapping one granted "
-          f"by the new leader: {overlaps}; every call answered after the resume, by status: "
-          f"{dict(sorted(Counter(str(e.get('status')) for e in resumed).items()))}; commits seen "
-          f"waiting for the synchronous standby: {seen.get('waiting', 0)}; the member first "
-          f"promoted leads at the end: {seen['first_promoted_kept']}")
+    seen["report"] = (
+        f"paused leader: new leader writable {(promoted_us - paused_us) / 1e6:.1f} s "
+        f"after the pause; watchdog resets at "
+        f"{[round((t - paused_us) / 1e6, 1) for t in seen['resets']]} s; old primary "
+        f"writable for {window:.1f} s after its PostgreSQL resumed, "
+        f"{patroni_window:.1f} s after its Patroni did{never}; acknowledged there and lost: "
+        f"{len(grants)} grants, {sum(e['type'] == 'renew' for e in there)} renewals, "
+        f"{sum(e['type'] == 'write' for e in there)} writes; leases overlapping one granted "
+        f"by the new leader: {overlaps}; every call answered after the resume, by status: "
+        f"{dict(sorted(Counter(str(e.get('status')) for e in resumed).items()))}; commits seen "
+        f"waiting for the synchronous standby: {seen.get('waiting', 0)}; the member first "
+        f"promoted leads at the end: {seen['first_promoted_kept']}")
+    print("\n" + seen["report"])
     return result, seen
 
 
@@ -482,8 +484,9 @@ def test_paused_leader_in_synchronous_mode_acknowledges_nothing_beside_the_new_l
         there = seen["acknowledged_then_lost"]
         names = profile("patroni-sync-pause").names()
         print("\n" + analyse(result, names, VOLUME).summary(result))
+        # -rA shows no output of an expected failure: the figures go in its reason.
         pytest.xfail(f"Patroni 3.0.2 took the leader key back (patroni#2689); the old primary "
-                     f"acknowledged {len(there)} calls beside the new leader")
+                     f"acknowledged {len(there)} calls beside the new leader. {seen['report']}")
     analysis = judged(result, "patroni-sync-pause")
     assert seen["waiting"] > 0, "no commit waited on the resumed old primary"
     assert seen["acknowledged_then_lost"] == [] and seen["overlaps"] == 0
