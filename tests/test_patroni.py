@@ -55,6 +55,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,6 +80,7 @@ from tests.support.failover import (
 from tests.support.helpers import wait_until
 from tests.support.patroni import TTL, Isolation, Member, Patroni
 from tests.support.pg_clusters import Unavailable, now_us
+from tests.support.watchdog import Watchdog
 
 pytestmark = [
     pytest.mark.slow,
@@ -527,3 +529,50 @@ def test_paused_leader_with_watchdog_is_reset_before_the_new_leader_is_promoted(
     assert seen["acknowledged_then_lost"] == [] and seen["overlaps"] == 0
     new = next(m for m in guarded.members if m.process is not None and writable(m))
     assert guarded.watchdogs[new.name].armed, "the new leader runs without its watchdog"
+
+
+def emulated_device(tmp_path: Path) -> tuple[Watchdog, list[float], int]:
+    """An emulated watchdog device that records its resets, and a writer's end of it."""
+    resets: list[float] = []
+    watchdog = Watchdog(tmp_path / "watchdog", lambda: resets.append(time.time()))
+    watchdog.start()
+    return watchdog, resets, os.open(tmp_path / "watchdog", os.O_WRONLY)
+
+
+@full_only
+def test_emulated_watchdog_resets_a_timeout_after_the_last_keepalive_and_not_before(
+    tmp_path
+):
+    """The device the watchdog run relies on resets only when the keepalives stop for
+    the timeout Patroni set (the bytes of its ``driver: testing``)."""
+    watchdog, resets, fd = emulated_device(tmp_path)
+    try:
+        os.write(fd, b"Ctimeout=1\n")
+        started = time.time()
+        last = started
+        while time.time() < started + 1.5:
+            os.write(fd, b"1")
+            last = time.time()
+            time.sleep(0.1)
+        wait_until(lambda: resets, 10, "the emulated reset")
+        # Never before the timeout after a keepalive, however late the thread ran.
+        assert resets[0] - last >= 1.0
+        assert len(resets) == 1 and not watchdog.armed
+    finally:
+        os.close(fd)
+        watchdog.stop()
+
+
+@full_only
+def test_emulated_watchdog_is_disarmed_by_a_magic_close(tmp_path):
+    watchdog, resets, fd = emulated_device(tmp_path)
+    try:
+        os.write(fd, b"Ctimeout=1\n1")
+        wait_until(lambda: watchdog.armed, 10, "armed")
+        os.write(fd, b"V")
+        wait_until(lambda: not watchdog.armed, 10, "disarmed")
+        time.sleep(1.5)  # longer than the timeout: a reset would have come by now
+        assert resets == []
+    finally:
+        os.close(fd)
+        watchdog.stop()
