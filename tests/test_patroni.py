@@ -450,7 +450,9 @@ def paused(ha: Patroni, directory: Path, prefix: str) -> tuple[Outcome, dict[str
         f"by the new leader: {overlaps}; every call answered after the resume, by status: "
         f"{dict(sorted(Counter(str(e.get('status')) for e in resumed).items()))}; commits seen "
         f"waiting for the synchronous standby: {seen.get('waiting', 0)}; the member first "
-        f"promoted leads at the end: {seen['first_promoted_kept']}")
+        f"promoted leads at the end: {seen['first_promoted_kept']}; answered by the old "
+        f"primary with the new leader writable, before its Patroni resumed: "
+        f"{seen.get('old_grants', 0)} grants, {seen.get('old_writes', 0)} writes")
     print("\n" + seen["report"])
     return result, seen
 
