@@ -291,10 +291,13 @@ def pause(ha: Patroni, leader: Member, directory: Path, names: list[str],
     # another may lead after the kill: the run's tables are the final leader's.
     final = ha.wait_leader(DEADLINE, other_than=leader)
     seen["first_promoted_kept"] = final is after
-    if final is not after:
-        # Its timeline was dropped: a fresh clone replaces it too.
-        ha.kill_member(after)
-        ha.kill_server(after)
+    if seen["demoted_us"] is None or final is not after:
+        # Patroni took the key back: the others may have followed either timeline (one
+        # then never streams from the final leader). Fresh clones replace them.
+        for member in ha.members:
+            if member is not final:
+                ha.kill_member(member)
+                ha.kill_server(member)
     return final, paused
 
 
