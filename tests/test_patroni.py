@@ -243,7 +243,9 @@ def pause(ha: Patroni, leader: Member, directory: Path, names: list[str],
     before = {json.dumps(event, sort_keys=True) for event in read_histories(directory)}
     seen["resumed_us"] = resumed = now_us()
     for pid in leader.server_pids():
-        os.kill(pid, signal.SIGCONT)
+        # A backend that was exiting when the machine stopped may be gone by now.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
     def new_events() -> list[dict[str, Any]]:
         return [event for event in read_histories(directory)
