@@ -231,7 +231,7 @@ def pause(ha: Patroni, leader: Member, directory: Path, names: list[str],
     leader and the time of the pause."""
     synchronous = ha.synchronous()
     paused = seen["paused_us"] = now_us()
-    ha.signal_member(leader, signal.SIGSTOP)
+    ha.freeze(leader)
     after = wait_until(lambda: writable_other(ha, leader), DEADLINE,
                        "another member taking writes", every=0.1)
     seen["promoted_us"] = now_us()

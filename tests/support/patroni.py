@@ -336,6 +336,15 @@ class Patroni:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
+    def freeze(self, member: Member, timeout: float = 10) -> None:
+        """SIGSTOP ``member``'s whole machine until every process of it is stopped: the
+        postmaster may fork a backend just before it stops, which one pass would miss."""
+        def frozen() -> bool:
+            self.signal_member(member, signal.SIGSTOP)
+            return all(_state(pid) in ("T", "t", "Z", None) for pid in self.pids(member))
+
+        wait_until(frozen, timeout, f"every process of {member.name} stopped", every=0.01)
+
     def stop(self) -> None:
         for watchdog in self.watchdogs.values():
             watchdog.stop()
@@ -536,6 +545,13 @@ class Patroni:
             PORT=",".join(str(member.port) for member in self.members),
             OPTIONS={"target_session_attrs": "read-write", "connect_timeout": 3},
         )
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``T``: stopped), None if it is gone."""
+    with contextlib.suppress(OSError, IndexError):
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    return None
 
 
 def _account() -> pwd.struct_passwd | None:
