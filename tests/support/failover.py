@@ -157,34 +157,43 @@ def wait_for_grants(directory: Path, names: list[str], since_us: int, each: int,
     wait_until(enough, deadline, what, every=0.1)
 
 
-def analyse(outcome: Outcome, names: list[str], volume: checker.Volume) -> Analysis:
-    """Split the acknowledged operations into those the new primary has and those it lost,
-    check the rest with the stress harness's history checker, and compare each lock's
-    tokens before the crash with those after the promotion."""
+def lost(outcome: Outcome) -> Callable[[dict[str, Any]], bool]:
+    """Whether a client event is an acknowledged grant, renewal or fenced write that the
+    new primary's tables lack: acknowledged, then lost with the old primary's timeline."""
     granted = {(row["name"], int(row["token"]), row["owner"])
                for row in outcome.history if row["kind"] == "grant"}
     renewed = {(row["name"], int(row["token"]), int(row["expires_us"]))
                for row in outcome.history if row["kind"] == "renew"}
     written = {row["op_id"] for row in outcome.writes}
+
+    def missing(event: dict[str, Any]) -> bool:
+        if event.get("status") != "ok":
+            return False
+        kind = event.get("type")
+        if kind == "acquire":
+            return (event["lock"], int(event["token"]), event["owner"]) not in granted
+        if kind == "renew":
+            return (event["lock"], int(event["token"]), int(event["expires_us"])) not in renewed
+        return kind == "write" and event["op_id"] not in written
+
+    return missing
+
+
+def analyse(outcome: Outcome, names: list[str], volume: checker.Volume) -> Analysis:
+    """Split the acknowledged operations into those the new primary has and those it lost,
+    check the rest with the stress harness's history checker, and compare each lock's
+    tokens before the crash with those after the promotion."""
+    is_lost = lost(outcome)
     wanted = set(names)
     kept: list[dict[str, Any]] = []
     counts = Analysis(report=checker.Report(), names=list(names))
-    lost_leases: set[tuple[str, int]] = set()
     for event in outcome.client:
-        kind, ok = event.get("type"), event.get("status") == "ok"
         counts.not_replicated += told_not_replicated(event)
-        if kind == "acquire" and ok:
-            key = (event["lock"], int(event["token"]))
-            if (*key, event["owner"]) not in granted:
-                counts.lost_grants += 1
-                lost_leases.add(key)
-                continue
-        elif kind == "renew" and ok:
-            if (event["lock"], int(event["token"]), int(event["expires_us"])) not in renewed:
-                counts.lost_renewals += 1
-                continue
-        elif kind == "write" and ok and event["op_id"] not in written:
-            counts.lost_writes += 1
+        if is_lost(event):
+            kind = event["type"]
+            counts.lost_grants += kind == "acquire"
+            counts.lost_renewals += kind == "renew"
+            counts.lost_writes += kind == "write"
             continue
         kept.append(event)
     report = checker.check(

@@ -48,6 +48,7 @@ from lab.pg_servers import alive
 from lab.servers import EtcdCluster, free_port
 from tests.support.helpers import wait_until
 from tests.support.pg_clusters import DATABASE, Unavailable, _connect, django_env, migrate, pg_bin
+from tests.support.watchdog import Watchdog
 
 SCOPE = "distlock"
 TTL, LOOP_WAIT, RETRY_TIMEOUT = 20, 2, 5
@@ -151,6 +152,10 @@ class Patroni:
     members: list[Member] = field(default_factory=list)
     dir: Path | None = None
     isolated: Isolation | None = None
+    #: Patroni's watchdog, ``mode: required``, on an emulated device per member
+    #: (tests/support/watchdog.py): ``safety_margin`` seconds before the leader key's ttl.
+    watchdog_margin: int | None = None
+    watchdogs: dict[str, Watchdog] = field(default_factory=dict)
 
     def __enter__(self) -> Patroni:
         self.start()
@@ -187,6 +192,11 @@ class Patroni:
                 if self.account is not None:
                     os.chown(member.dir, self.account.pw_uid, self.account.pw_gid)
                 self._configure(member)
+                if self.watchdog_margin is not None:
+                    self.watchdogs[member.name] = watchdog = Watchdog(
+                        member.dir / "watchdog", lambda member=member: self.reset(member))
+                    watchdog.start(None if self.account is None
+                                   else (self.account.pw_uid, self.account.pw_gid))
             if self.isolated is not None:
                 # The isolated member bootstraps (initdb) alone: it is the leader.
                 self.start_member(0)
@@ -255,6 +265,10 @@ class Patroni:
             },
             "tags": {"nofailover": False, "noloadbalance": False},
         }
+        if self.watchdog_margin is not None:
+            config["watchdog"] = {"mode": "required", "driver": "testing",
+                                  "device": str(member.dir / "watchdog"),
+                                  "safety_margin": self.watchdog_margin}
         path = member.dir / "patroni.yml"
         path.write_text(json.dumps(config, indent=1))  # JSON is YAML
         if self.account is not None:
@@ -307,7 +321,34 @@ class Patroni:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
+    def reset(self, member: Member) -> None:
+        """What a watchdog's reset does to ``member``'s machine: SIGKILL its Patroni and
+        every process of its PostgreSQL at once (stopped ones too), nothing shut down."""
+        self.signal_member(member, signal.SIGKILL)
+
+    def pids(self, member: Member) -> list[int]:
+        """``member``'s Patroni and every process of its PostgreSQL: its "machine"."""
+        return ([] if member.process is None else [member.process.pid]) + member.server_pids()
+
+    def signal_member(self, member: Member, sig: int) -> None:
+        """Signal ``member``'s whole machine (SIGSTOP: it stalls; SIGCONT: it resumes)."""
+        for pid in self.pids(member):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def freeze(self, member: Member, timeout: float = 10) -> None:
+        """SIGSTOP ``member``'s whole machine until every process of it is stopped: the
+        postmaster may fork a backend just before it stops, which one pass would miss."""
+        def frozen() -> bool:
+            self.signal_member(member, signal.SIGSTOP)
+            return all(_state(pid) in ("T", "t", "Z", None) for pid in self.pids(member))
+
+        wait_until(frozen, timeout, f"every process of {member.name} stopped", every=0.01)
+
     def stop(self) -> None:
+        for watchdog in self.watchdogs.values():
+            watchdog.stop()
+        self.watchdogs = {}
         for member in self.members:
             self.kill_member(member, signal.SIGKILL)
         for member in self.members:
@@ -504,6 +545,13 @@ class Patroni:
             PORT=",".join(str(member.port) for member in self.members),
             OPTIONS={"target_session_attrs": "read-write", "connect_timeout": 3},
         )
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``T``: stopped), None if it is gone."""
+    with contextlib.suppress(OSError, IndexError):
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    return None
 
 
 def _account() -> pwd.struct_passwd | None:
