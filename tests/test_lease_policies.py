@@ -21,10 +21,12 @@ from distlock import (
     lock,
     locked,
 )
+from distlock.backends.results import RENEW_REFUSED
 from distlock.checks import check_settings
 from distlock.core.policies import DELAY_OWNER, MAX_HOLD_REFUSED, named
 from distlock.db import db_now_us
 from distlock.models import Lock
+from distlock.testing import make_stale
 from tests.factories import AccountFactory
 from tests.support.helpers import run_async, us, wait_until
 
@@ -227,6 +229,55 @@ def test_a_break_starts_the_lock_delay_and_a_second_break_ends_it():
 
 
 # -- naming, settings, bad input -------------------------------------------------------
+
+
+def test_a_renewal_under_max_hold_keeps_the_lock_delay_on_the_row():
+    """max_hold's renewal (its own statement) ends the row lock_delay after the lease too."""
+    lease = acquire("ld:capped", ttl=30, max_hold=60, lock_delay=2)
+    lease.renew(ttl=10)
+    renewed = row("ld:capped")
+    assert renewed.expires_us == us(lease.expires_at) + 2_000_000
+    # This statement reads the clock once per expression: µs apart, not exactly equal.
+    assert 0 <= renewed.expires_us - renewed.renewed_us - 12_000_000 < 1_000
+
+
+def test_max_hold_refuses_a_renewal_during_the_lock_delay_after_it():
+    """Past acquired + max_hold the row still counts as held (its lock-delay), and the
+    holder's renewal is refused all the same: the lease ended at max_hold."""
+    lease = acquire("ld:max", ttl=1, max_hold=1, lock_delay=30)
+    acquired = row("ld:max").acquired_us
+    past(acquired + 1_000_000)
+    with pytest.raises(LockLost) as lost:
+        lease.renew(ttl=1)
+    assert lost.value.reason == MAX_HOLD_REFUSED
+    assert row("ld:max").expires_us == acquired + 31_000_000  # the delay, unchanged
+
+
+def test_a_renewal_under_max_hold_of_a_grant_taken_over_says_it_changed():
+    lease = acquire("mx:over", ttl=30, max_hold=60)
+    make_stale(lease)
+    other = acquire("mx:over", ttl=30, blocking=False)
+    assert other is not None
+    with pytest.raises(LockLost) as lost:
+        lease.renew(ttl=30)
+    assert lost.value.reason == RENEW_REFUSED["changed"]
+    assert (row("mx:over").owner, row("mx:over").token) == (other.owner, other.token)
+
+
+def test_a_release_under_min_hold_of_an_ended_lease_keeps_nothing():
+    """A lease that ended (here made stale: its row expired now) before its min_hold is
+    not brought back by its release: the row stays free to take."""
+    lease = acquire("mh:ended", ttl=30, min_hold=20)
+    make_stale(lease)
+    assert lease.release() is False
+    assert row("mh:ended").expires_us <= db_now_us("default")
+    assert acquire("mh:ended", ttl=30, blocking=False) is not None
+
+
+def test_the_holder_text_keeps_each_policy_to_the_microsecond():
+    lease = acquire("pn:exact", ttl=30, min_hold=1.234567, lock_delay=0.000123)
+    assert named(lease.holder) == {"min_hold": 1.234567, "lock_delay": 0.000123}
+    assert lease.release() is True
 
 
 def test_the_holder_text_names_the_policies_before_the_callers_text():
