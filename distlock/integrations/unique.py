@@ -254,7 +254,7 @@ def _claim_key(connection: BaseDatabaseWrapper, plan: _Plan) -> int | None:
         # latest). Each send adds 1 and takes far longer than a µs (the row lock orders
         # them), so a row's generations stay below the clock of its last send, and the
         # clock when the key comes back is past that (unless the server's clock is set
-        # back by more than the key was idle: docs/deduplicating-tasks.md).
+        # back by more than the key was idle: docs/decisions.md).
         cursor.execute(
             backend.upsert_locking(
                 TABLE, "(name, task, policy, generation, ttl_us, running_owner)",
