@@ -116,17 +116,25 @@ def profile(prefix: str) -> Profile:
                    prefix=prefix)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Patroni]:
-    ha = Patroni()
+@contextlib.contextmanager
+def running(ha: Patroni) -> Iterator[Member]:
+    """``ha`` started, its leader given the history's triggers; stopped by PID after,
+    whatever happened. Yields the leader."""
     try:
         ha.start()
         leader = ha.wait_leader(60)
         for statement in trigger_statements("postgresql"):
             leader.query(statement)
-        yield ha
+        yield leader
     finally:
         ha.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Patroni]:
+    ha = Patroni()
+    with running(ha):
+        yield ha
 
 
 def ready(cluster: Patroni, synchronous: bool) -> Patroni:
@@ -402,17 +410,11 @@ def partitionable(request: pytest.FixtureRequest) -> Iterator[Patroni]:
     synchronous_mode if the test's parameter says so."""
     need_netns("the leader partitioned from etcd")
     ha = Patroni(isolated=Isolation())
-    try:
-        ha.start()
-        leader = ha.wait_leader(60)
+    with running(ha) as leader:
         assert leader is ha.members[0], "the isolated member did not bootstrap the cluster"
-        for statement in trigger_statements("postgresql"):
-            leader.query(statement)
         if request.param:
             ha.set_synchronous(True)
         yield ha
-    finally:
-        ha.stop()
 
 
 @full_only
@@ -517,14 +519,8 @@ def guarded() -> Iterator[Patroni]:
     """A cluster of its own whose members run Patroni's watchdog (``mode: required``) on
     emulated devices (tests/support/watchdog.py), asynchronous replication."""
     ha = Patroni(watchdog_margin=WATCHDOG_MARGIN)
-    try:
-        ha.start()
-        leader = ha.wait_leader(60)
-        for statement in trigger_statements("postgresql"):
-            leader.query(statement)
+    with running(ha):
         yield ha
-    finally:
-        ha.stop()
 
 
 @full_only

@@ -103,6 +103,17 @@ def test_tokens_rise_per_semaphore_name_not_per_row():
     third.release()
 
 
+def rows_taken(name: str, permits: int, grants: int = 20) -> set[str]:
+    """The permit rows of ``grants`` grants of ``name``, each released before the next."""
+    taken = set()
+    for _ in range(grants):
+        permit = acquire_permit(name, permits=permits, ttl=30, blocking=False)
+        assert permit is not None
+        taken.add(permit.name)
+        permit.release()
+    return taken
+
+
 def test_after_n_is_lowered_only_rows_below_it_are_granted():
     """The rows at or above a lowered N still count while held, and are never granted
     again: with every row free, twenty grants at N = 2 take rows 0 and 1 only."""
@@ -110,25 +121,13 @@ def test_after_n_is_lowered_only_rows_below_it_are_granted():
     for permit in first:
         assert permit is not None
         permit.release()
-    taken = set()
-    for _ in range(20):
-        permit = acquire_permit("sem:low", permits=2, ttl=30, blocking=False)
-        assert permit is not None
-        taken.add(permit.name)
-        permit.release()
-    assert taken <= {"sem:low#permit:0", "sem:low#permit:1"}
+    assert rows_taken("sem:low", permits=2) <= {"sem:low#permit:0", "sem:low#permit:1"}
 
 
 def test_grants_spread_over_the_permit_rows():
     """A grant starts at a random free row, so holders do not all meet on row 0 (each
     grant and release locks the row it takes)."""
-    taken = set()
-    for _ in range(20):
-        permit = acquire_permit("sem:spread", permits=5, ttl=30, blocking=False)
-        assert permit is not None
-        taken.add(permit.name)
-        permit.release()
-    assert len(taken) > 1
+    assert len(rows_taken("sem:spread", permits=5)) > 1
 
 
 def test_a_waiter_is_granted_when_the_first_permit_ends_not_the_last(settings):
